@@ -1,0 +1,75 @@
+"""A run is data: one frozen `RunConfig`, validated here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from blackbox.errors import UsageError
+from blackbox.workload import Shape
+
+__all__ = ["GRADERS", "Grading", "RunConfig"]
+
+GRADERS = ("exactness", "recall", "logprob")
+
+
+@dataclass(frozen=True)
+class Grading:
+    """Gate and grader settings. Defaults are the ones the README's figures were measured with."""
+
+    alpha: float = 0.01
+    min_trigger_fraction: float = 0.5  # of conversations whose turn-2 hit must reach decode-written blocks
+    min_control_recall: float = 0.5
+    hard_margin: float = 1.0  # nats: a divergence where the no-reuse arm was this sure is not a near-tie
+    graders: tuple[str, ...] = ()  # empty: auto
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    treatment: str
+    control: str
+    reference: str | None = None
+    model: str | None = None
+    conversations: int = 32
+    seed: int = 0
+    concurrency: int = 8
+    block_size: int | None = None
+    api_key_env: str = "BLACKBOX_API_KEY"
+    timeout_s: float = 300.0
+    settle_s: float = 30.0
+    shape: Shape = field(default_factory=Shape)
+    grading: Grading = field(default_factory=Grading)
+
+    def __post_init__(self) -> None:
+        _require(self.conversations >= 1, "--conversations must be at least 1")
+        _require(self.concurrency >= 1, "--concurrency must be at least 1")
+        _require(self.block_size is None or self.block_size > 0, "--block-size must be positive")
+        _require(0 < self.grading.alpha < 1, "--alpha must be between 0 and 1")
+        _require(0 < self.grading.min_trigger_fraction <= 1, "--min-trigger-fraction must be in (0, 1]")
+        for g in self.grading.graders:
+            _require(g in GRADERS, f"unknown grader {g!r}; choose from {', '.join(GRADERS)} or auto")
+        for name in ("treatment", "control", "reference"):
+            url = getattr(self, name)
+            _require(
+                url is None or url.startswith(("http://", "https://")),
+                f"--{name} must be an http(s) URL, got {url!r}",
+            )
+        _require(
+            self.shape.prompt_blocks >= 2,
+            "--prompt-blocks must be at least 2 (the probe needs a cached block)",
+        )
+        _require(self.shape.answer_blocks >= 1, "--answer-blocks must be at least 1")
+
+    @property
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) or None
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything needed to replay the run; the API key is named by its variable, never stored."""
+        return asdict(self)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise UsageError(message, hint="see `blackbox run --help`")

@@ -1,0 +1,216 @@
+"""The one engine behind the CLI and the pytest plugin: drive the conversations, gate, grade, store."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from blackbox import errors, gates, geometry, metrics
+from blackbox.client import Endpoint, gather_bounded
+from blackbox.config import RunConfig
+from blackbox.graders import Grades, grade
+from blackbox.history import Arm, Exchange, History, Kind, Plan
+from blackbox.metrics import MetricsDelta, MetricsSnapshot
+from blackbox.store import RunStore
+from blackbox.verdict import Finding, Verdict, merge
+from blackbox.workload import plan_conversation, turn1_body, turn2_body, turn2_messages
+
+__all__ = ["RunResult", "run"]
+
+Progress = Callable[[int, int, str], None]
+_SETTLE_KEYS = (metrics.CACHE_HITS, metrics.CACHE_QUERIES, metrics.DRAFTS, metrics.ACCEPTED)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    verdict: Verdict
+    history: History | None
+    grades: Grades | None
+    store_path: Path
+    elapsed_s: float
+    geometry: geometry.Geometry | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+async def run(config: RunConfig, store: RunStore, progress: Progress | None = None) -> RunResult:
+    """Never raises a BlackboxError: an endpoint or geometry failure becomes the verdict, and the store keeps
+    what was recorded up to it."""
+    started = time.monotonic()
+    urls = {Arm.TREATMENT: config.treatment, Arm.CONTROL: config.control}
+    if config.reference:
+        urls[Arm.REFERENCE] = config.reference
+    endpoints = {
+        arm: Endpoint(arm, url, api_key=config.api_key, model=config.model, timeout_s=config.timeout_s)
+        for arm, url in urls.items()
+    }
+    history: History | None = None
+    geo: geometry.Geometry | None = None
+    try:
+        history, geo, role_findings = await _drive(config, endpoints, store, progress or _quiet)
+    except errors.BlackboxError as exc:
+        verdict = merge([Finding.from_error("setup", exc)])
+        return _finish(store, verdict, None, None, started, geo)
+    finally:
+        await asyncio.gather(*(e.aclose() for e in endpoints.values()))
+    grades = grade(history, config.grading)
+    verdict = merge([*role_findings, *gates.all_gates(history, config.grading), *grades.findings])
+    _write_replays(store, urls, history, verdict, config.api_key_env)
+    return _finish(store, verdict, history, grades, started, geo)
+
+
+def _quiet(done: int, total: int, note: str) -> None:
+    pass
+
+
+async def _drive(
+    config: RunConfig, endpoints: Mapping[str, Endpoint], store: RunStore, progress: Progress
+) -> tuple[History, geometry.Geometry, list[Finding]]:
+    treatment = endpoints[Arm.TREATMENT]
+    progress(0, config.conversations, "checking servers")
+    for endpoint in endpoints.values():
+        await endpoint.ready()
+    before = {arm: await e.metrics() for arm, e in endpoints.items()}
+    for arm, snap in before.items():
+        store.write_text(f"metrics/{arm}-before.prom", snap.text)
+    lengths = [await e.max_model_len() for e in endpoints.values()]
+    known = [n for n in lengths if n is not None]
+    geo = geometry.discover(before[Arm.TREATMENT], min(known) if known else None, config.block_size)
+    store.write_json("geometry.json", geo.__dict__)
+
+    progress(0, config.conversations, f"sizing prompts (block {geo.block_size} tokens)")
+    plans = await gather_bounded(
+        config.concurrency * 2,
+        *(
+            plan_conversation(i, config.seed, config.shape, geo.block_size, geo.max_model_len, treatment.count_tokens)
+            for i in range(config.conversations)
+        ),
+    )
+    store.write_json("plans.json", [p.__dict__ for p in plans])
+
+    salt = f"blackbox-{store.path.name}"
+    done = 0
+
+    def record(e: Exchange) -> Exchange:
+        store.record(e)
+        return e
+
+    async def one(plan: Plan) -> list[Exchange]:
+        nonlocal done
+        out = await _conversation(config, endpoints, plan, salt, record)
+        done += 1
+        progress(done, len(plans), f"conversation {plan.index} done")
+        return out
+
+    results = await gather_bounded(config.concurrency, *(one(p) for p in plans))
+    progress(done, len(plans), "waiting for counters to settle")
+    after = {arm: await _settle(e, config.settle_s) for arm, e in endpoints.items()}
+    for arm, snap in after.items():
+        store.write_text(f"metrics/{arm}-after.prom", snap.text)
+    deltas = {arm: MetricsDelta(before[arm], after[arm]) for arm in endpoints}
+    history = History(geo.block_size, tuple(plans), tuple(e for r in results for e in r), deltas)
+    return history, geo, _roles(before)
+
+
+async def _conversation(
+    config: RunConfig,
+    endpoints: Mapping[str, Endpoint],
+    plan: Plan,
+    salt: str,
+    record: Callable[[Exchange], Exchange],
+) -> list[Exchange]:
+    shape, conv = config.shape, plan.index
+
+    async def ask(arm: str, kind: str, body: dict[str, object]) -> Exchange:
+        return record(await endpoints[arm].chat(body, conversation=conv, kind=kind))
+
+    def fresh(kind: str) -> str:
+        return f"{salt}-{conv}-{kind}-fresh"
+
+    async def resumed(arm: str) -> list[Exchange]:
+        """Turn 1 on `arm`, then turn 2 on its own answer: hit first, then the same prompt with no reuse."""
+        t1 = await ask(arm, Kind.TURN1, {**turn1_body(plan, shape), "cache_salt": salt})
+        if not t1.ok:
+            return [t1]
+        m2 = turn2_messages(plan, t1.text)
+        out = [t1, await ask(arm, Kind.TURN2, turn2_body(m2, shape, salt=salt))]
+        out.append(await ask(arm, Kind.TURN2_FRESH, turn2_body(m2, shape, salt=fresh(Kind.TURN2))))
+        if arm == Arm.TREATMENT:
+            control = asyncio.create_task(ask(Arm.CONTROL, Kind.TURN2, turn2_body(m2, shape, salt=salt)))
+            out.append(await ask(arm, Kind.PROBE, turn2_body(plan.probe_messages, shape, salt=salt, probe=True)))
+            out.append(
+                await ask(
+                    arm,
+                    Kind.PROBE_FRESH,
+                    turn2_body(plan.probe_messages, shape, salt=fresh(Kind.PROBE), probe=True),
+                )
+            )
+            out.append(await control)
+        return out
+
+    chains = [resumed(Arm.TREATMENT)]
+    if Arm.REFERENCE in endpoints:
+        chains.append(resumed(Arm.REFERENCE))
+    return [e for chain in await asyncio.gather(*chains) for e in chain]
+
+
+async def _settle(endpoint: Endpoint, limit_s: float) -> MetricsSnapshot:
+    """vLLM updates counters after responding: poll until the counters we read stop moving."""
+    deadline = time.monotonic() + limit_s
+    last = await endpoint.metrics()
+    stable = 0
+    while time.monotonic() < deadline and stable < 2:
+        await asyncio.sleep(0.5)
+        current = await endpoint.metrics()
+        same = all(current.value(k) == last.value(k) for k in _SETTLE_KEYS)
+        stable = stable + 1 if same else 0
+        last = current
+    return last
+
+
+def _roles(before: Mapping[str, MetricsSnapshot]) -> list[Finding]:
+    """The servers must be what their roles say, or the comparison means nothing."""
+    problems = []
+    if geometry.prefix_caching(before[Arm.CONTROL]) is True:
+        problems.append("the control has prefix caching on: start it with --no-enable-prefix-caching")
+    if geometry.prefix_caching(before[Arm.TREATMENT]) is False:
+        problems.append("the treatment has prefix caching off: start it with --enable-prefix-caching")
+    reference = before.get(Arm.REFERENCE)
+    if reference is not None and reference.value(metrics.DRAFTS) is not None:
+        problems.append("the reference runs speculative decoding: start it without --speculative-config")
+    if reference is not None and geometry.prefix_caching(reference) is False:
+        problems.append("the reference has prefix caching off: start it with the treatment's cache flags")
+    if problems:
+        return [
+            Finding.from_error("roles", errors.UsageError("; ".join(problems), hint="fix the server flags and re-run"))
+        ]
+    return [Finding.passed("roles", "servers match their roles")]
+
+
+def _write_replays(store: RunStore, urls: Mapping[str, str], history: History, verdict: Verdict, key_env: str) -> None:
+    flagged: set[int] = set()
+    for f in verdict.findings:
+        for m in f.figures.get("mismatches", ()) or ():
+            flagged.add(int(m["conversation"]))
+        flagged.update(int(c) for c in f.figures.get("forward_flips", ()) or ())
+    flagged = flagged or {p.index for p in history.plans[:1]}
+    store.write_replays(urls, (e for e in history.exchanges if e.conversation in flagged), key_env)
+
+
+def _finish(
+    store: RunStore,
+    verdict: Verdict,
+    history: History | None,
+    grades: Grades | None,
+    started: float,
+    geo: geometry.Geometry | None,
+) -> RunResult:
+    elapsed = time.monotonic() - started
+    payload = {**verdict.to_json(), "elapsed_s": round(elapsed, 2)}
+    if grades is not None:
+        payload["graders_used"] = list(grades.used)
+        payload["graders_not_used"] = [{"grader": g, "why": w} for g, w in grades.not_used]
+    store.write_json("verdict.json", payload)
+    return RunResult(verdict, history, grades, store.path, elapsed, geo)

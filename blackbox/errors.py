@@ -1,0 +1,102 @@
+"""Every way a blackbox run can end other than PASS.
+
+    BlackboxError
+    ├── CorruptionDetected        FAIL: the treatment answered worse than its reference (exit 1)
+    ├── Inconclusive              UNKNOWN: a gate failed, nothing was tested (exit 2)
+    │   ├── CacheNotLive              the prefix-cache hit counter never moved
+    │   ├── TriggerNotExercised       hits never reached blocks written during speculative decode
+    │   ├── SpecDecodeNotEngaged      the drafter proposed or accepted nothing
+    │   ├── ControlQualityFailure     the control cannot do the task the grader needs
+    │   ├── GeometryUnsupported       the conversation cannot fit the server's geometry
+    │   ├── CounterReset              a counter went backwards (a server restarted mid-run)
+    │   └── NoEvidence                no grader had anything to judge
+    ├── UsageError                ERROR: bad input or configuration (exit 3)
+    └── EndpointError             ERROR: a server or the network failed (exit 4)
+        └── ServerStartError          a launched server died or never became healthy
+
+A FAIL is the server under test misbehaving; UNKNOWN and ERROR are never read as PASS.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BlackboxError",
+    "CacheNotLive",
+    "ControlQualityFailure",
+    "CorruptionDetected",
+    "CounterReset",
+    "EndpointError",
+    "GeometryUnsupported",
+    "Inconclusive",
+    "NoEvidence",
+    "ServerStartError",
+    "SpecDecodeNotEngaged",
+    "TriggerNotExercised",
+    "UsageError",
+]
+
+
+class BlackboxError(Exception):
+    """Base class. `hint` says what to do next; `exit_code` is the CLI's."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    @property
+    def title(self) -> str:
+        return type(self).__name__
+
+    def __str__(self) -> str:
+        return f"{self.message}\n  -> {self.hint}" if self.hint else self.message
+
+
+class CorruptionDetected(BlackboxError):
+    exit_code = 1
+
+
+class Inconclusive(BlackboxError):
+    exit_code = 2
+
+
+class CacheNotLive(Inconclusive):
+    pass
+
+
+class TriggerNotExercised(Inconclusive):
+    pass
+
+
+class SpecDecodeNotEngaged(Inconclusive):
+    pass
+
+
+class ControlQualityFailure(Inconclusive):
+    pass
+
+
+class GeometryUnsupported(Inconclusive):
+    pass
+
+
+class CounterReset(Inconclusive):
+    pass
+
+
+class NoEvidence(Inconclusive):
+    pass
+
+
+class UsageError(BlackboxError):
+    exit_code = 3
+
+
+class EndpointError(BlackboxError):
+    exit_code = 4
+
+
+class ServerStartError(EndpointError):
+    pass

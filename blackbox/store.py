@@ -1,0 +1,89 @@
+"""Each run in its own folder, holding everything needed to understand and replay it.
+
+runs/<run-id>/
+  config.json           the resolved RunConfig, seed and geometry
+  command.txt           the blackbox command that re-runs it
+  exchanges.jsonl       every request and response, with timing and cached_tokens
+  metrics/<arm>-{before,after}.prom
+  verdict.json          the verdict and every finding with its figures
+  summary.txt           what the console printed
+  replay/<case>.sh      a curl per request of each conversation a grader flagged (no secrets)
+  servers/              the server logs, when blackbox launched the servers
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from blackbox.history import Exchange
+
+__all__ = ["RunStore", "curl_command", "new_run_id"]
+
+
+def new_run_id(seed: int) -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime()) + f"-s{seed}"
+
+
+class RunStore:
+    def __init__(self, root: Path, run_id: str) -> None:
+        self.path = root / run_id
+        self.path.mkdir(parents=True, exist_ok=False)
+        self._exchanges = (self.path / "exchanges.jsonl").open("a", encoding="utf-8")
+
+    def write_json(self, name: str, data: Any) -> Path:
+        target = self.path / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+        tmp.replace(target)
+        return target
+
+    def write_text(self, name: str, text: str) -> Path:
+        target = self.path / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+        return target
+
+    def record(self, exchange: Exchange) -> None:
+        """Append as soon as an exchange completes, so an interrupted run loses nothing already recorded."""
+        self._exchanges.write(json.dumps(exchange.to_json(), default=str) + "\n")
+        self._exchanges.flush()
+
+    def write_replays(
+        self, base_urls: Mapping[str, str], exchanges: Iterable[Exchange], api_key_env: str
+    ) -> list[Path]:
+        written = []
+        for e in exchanges:
+            url = base_urls.get(e.arm)
+            if url:
+                script = "#!/bin/sh\n" + curl_command(url, e, api_key_env) + "\n"
+                written.append(self.write_text(f"replay/{e.case_id}.sh", script))
+        return written
+
+    def copy_logs(self, log_dir: Path) -> None:
+        if log_dir.is_dir():
+            shutil.copytree(log_dir, self.path / "servers", dirs_exist_ok=True)
+
+    def close(self) -> None:
+        self._exchanges.close()
+
+
+def curl_command(base_url: str, exchange: Exchange, api_key_env: str) -> str:
+    """A ready-to-paste curl; the key is referenced as a shell variable, never written out."""
+    body = json.dumps(dict(exchange.request), separators=(",", ":"))
+    parts = [
+        "curl -sS",
+        shlex.quote(f"{base_url.rstrip('/')}/v1/chat/completions"),
+        "-H 'Content-Type: application/json'",
+        f"-H 'X-Blackbox-Case: {exchange.case_id}'",
+        f'-H "Authorization: Bearer ${{{api_key_env}:-}}"',
+        "-d",
+        shlex.quote(body),
+    ]
+    return " ".join(parts)

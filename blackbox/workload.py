@@ -1,0 +1,164 @@
+"""Seeded conversations sized in blocks of the server's prefix cache.
+
+Turn 1 is a document of facts ("needles") whose prompt ends `margin` tokens below a block boundary, and the
+answer is forced (min_tokens + ignore_eos) to run on for `answer_blocks` more blocks, so the blocks after the
+prompt are written while the drafter is speculating. Turn 2 re-sends turn 1 and its answer and asks for one
+needle. The probe shares only turn 1's document, so its hit ends in the prefill-written region.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from blackbox.errors import GeometryUnsupported
+from blackbox.history import Plan
+from blackbox.vocabulary import CODE_WORDS, FILLER, NAMES
+
+__all__ = ["Shape", "plan_conversation", "turn1_body", "turn2_messages"]
+
+Messages = tuple[Mapping[str, str], ...]
+TokenCounter = Callable[[Sequence[Mapping[str, str]]], Awaitable[int]]
+
+_INSTRUCTION = "read the record and remember every code ."
+_TELL = "now write a long story about the record ."
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How a conversation is laid out over the cache's blocks."""
+
+    prompt_blocks: int = 3
+    margin: int = 16  # turn 1's prompt ends this many tokens below a block boundary
+    answer_blocks: int = 2  # turn 1 decodes margin + answer_blocks * block_size tokens
+    needles: int = 6
+    code_words: int = 3
+    turn2_max_tokens: int = 32
+    probe_max_tokens: int = 24
+    top_logprobs: int = 5
+
+    def turn1_tokens(self, block_size: int) -> int:
+        return self.margin + self.answer_blocks * block_size
+
+
+@dataclass(frozen=True)
+class _Document:
+    needles: tuple[tuple[str, str], ...]  # (name, code)
+    sentences: tuple[str, ...]
+
+    def text(self, filler_sentences: int) -> str:
+        return " ".join(self.sentences[:filler_sentences])
+
+
+def _document(rng: random.Random, shape: Shape, sentences: int) -> _Document:
+    names = rng.sample(NAMES, shape.needles)
+    needles = tuple((n, " ".join(rng.choice(CODE_WORDS) for _ in range(shape.code_words))) for n in names)
+    facts = [f"the code of {n} is {c} ." for n, c in needles]
+    filler = [" ".join(rng.choice(FILLER) for _ in range(rng.randint(6, 14))) + " ." for _ in range(sentences)]
+    # Facts spread through the first part so every needle sits in the cached, prefill-written region.
+    body: list[str] = []
+    step = max(1, sentences // (2 * len(facts)))
+    for i, sentence in enumerate(filler):
+        if facts and i % step == 0:
+            body.append(facts.pop(0))
+        body.append(sentence)
+    body.extend(facts)
+    return _Document(needles, tuple(body))
+
+
+def _turn1(doc: str) -> Messages:
+    return ({"role": "user", "content": f"{_INSTRUCTION} {doc} {_TELL}"},)
+
+
+def _probe(doc: str, name: str) -> Messages:
+    return (
+        {
+            "role": "user",
+            "content": f"{_INSTRUCTION} {doc} what is the code of {name} ? answer with only the code .",
+        },
+    )
+
+
+def question_for(name: str) -> str:
+    return f"what is the code of {name} ? answer with only the code ."
+
+
+def turn2_messages(plan: Plan, answer: str) -> Messages:
+    return (
+        *plan.turn1_messages,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": plan.question},
+    )
+
+
+async def plan_conversation(
+    index: int, seed: int, shape: Shape, block_size: int, max_model_len: int, count: TokenCounter
+) -> Plan:
+    """Find the document length whose turn-1 prompt ends `margin` tokens below a boundary (binary search)."""
+    target = shape.prompt_blocks * block_size - shape.margin
+    turn2_budget = target + shape.turn1_tokens(block_size) + 64 + shape.turn2_max_tokens
+    if turn2_budget > max_model_len or target <= 0:
+        raise GeometryUnsupported(
+            f"a conversation needs ~{turn2_budget} tokens (prompt {shape.prompt_blocks} blocks of {block_size}, "
+            f"answer {shape.answer_blocks} blocks) but max_model_len is {max_model_len}",
+            hint="lower --prompt-blocks/--answer-blocks, or serve with a larger --max-model-len",
+        )
+    rng = random.Random(f"blackbox:{seed}:{index}")
+    doc = _document(rng, shape, sentences=max(8, target // 4))
+    lo, hi = 0, len(doc.sentences)
+    if await count(_turn1(doc.text(hi))) < target:
+        raise GeometryUnsupported(f"could not write a {target}-token document", hint="lower --prompt-blocks")
+    while lo < hi:  # largest sentence count whose prompt fits under the target
+        mid = (lo + hi + 1) // 2
+        if await count(_turn1(doc.text(mid))) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    text = await _pad(doc.text(lo), target, rng, count)
+    tokens = await count(_turn1(text))
+    name, code = rng.choice([n for n in doc.needles if f"the code of {n[0]} is" in text])
+    return Plan(
+        index=index,
+        turn1_messages=_turn1(text),
+        question=question_for(name),
+        answer=code,
+        probe_messages=_probe(text, name),
+        turn1_prompt_tokens=tokens,
+        turn1_max_tokens=shape.turn1_tokens(block_size),
+    )
+
+
+async def _pad(text: str, target: int, rng: random.Random, count: TokenCounter) -> str:
+    """Add single words until the prompt is as close under the target as one more word allows."""
+    for _ in range(64):
+        longer = f"{text} {rng.choice(FILLER)}"
+        if await count(_turn1(longer)) > target:
+            break
+        text = longer
+    return text
+
+
+def turn1_body(plan: Plan, shape: Shape) -> dict[str, object]:
+    return {
+        "messages": list(plan.turn1_messages),
+        **_sampling(shape),
+        "max_tokens": plan.turn1_max_tokens,
+        "min_tokens": plan.turn1_max_tokens,
+        "ignore_eos": True,
+    }
+
+
+def turn2_body(messages: Messages, shape: Shape, *, salt: str | None = None, probe: bool = False) -> dict[str, object]:
+    body: dict[str, object] = {
+        "messages": list(messages),
+        **_sampling(shape),
+        "max_tokens": shape.probe_max_tokens if probe else shape.turn2_max_tokens,
+    }
+    if salt is not None:
+        body["cache_salt"] = salt
+    return body
+
+
+def _sampling(shape: Shape) -> dict[str, object]:
+    return {"temperature": 0.0, "logprobs": True, "top_logprobs": shape.top_logprobs, "seed": 0}
