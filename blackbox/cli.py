@@ -1,0 +1,145 @@
+"""`blackbox run` against live endpoints, `blackbox demo` on a CPU pair it launches itself.
+
+Exit codes: 0 pass, 1 corruption, 2 not exercised or unknown, 3 usage or config error, 4 endpoint or infrastructure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from blackbox import errors
+from blackbox.config import GRADERS, Grading, RunConfig
+from blackbox.engine import RunResult, run
+from blackbox.report import ProgressLine, summary
+from blackbox.store import RunStore, new_run_id
+from blackbox.workload import Shape
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(errors.UsageError.exit_code, f"{self.prog}: error: {message}\n")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--conversations", type=int, default=32, help="seeded conversations (default 32)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("runs"), help="parent folder of run folders (default runs/)")
+    p.add_argument("--concurrency", type=int, default=8, help="conversations in flight (default 8)")
+    p.add_argument("--block-size", type=int, help="override the block size read from vllm:cache_config_info")
+    p.add_argument("--prompt-blocks", type=int, default=Shape.prompt_blocks, help="turn-1 prompt length in blocks")
+    p.add_argument("--answer-blocks", type=int, default=Shape.answer_blocks, help="turn-1 answer length in blocks")
+    p.add_argument("--grader", action="append", choices=GRADERS, help="grade with these only (default: auto)")
+    p.add_argument("--alpha", type=float, default=Grading.alpha, help="significance level (default 0.01)")
+    p.add_argument("--min-trigger-fraction", type=float, default=Grading.min_trigger_fraction)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="blackbox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    r = sub.add_parser("run", help="test live treatment and control endpoints")
+    r.add_argument("--treatment", required=True, help="URL of the server under test (prefix caching + spec decode)")
+    r.add_argument("--control", required=True, help="URL of the same model with prefix caching off")
+    r.add_argument("--reference", help="URL of the treatment's config without speculative decoding (logprob grader)")
+    r.add_argument("--model", help="served model name (default: the first one each server lists)")
+    r.add_argument("--api-key-env", default="BLACKBOX_API_KEY", help="environment variable holding the API key")
+    _common(r)
+    d = sub.add_parser("demo", help="build the tiny model, launch the CPU pair, run, print the verdict, stop")
+    d.add_argument("--profile", default="cpu-tiny")
+    d.add_argument("--no-reference", action="store_true", help="launch treatment and control only")
+    d.add_argument("--fault", help="start the treatment with an injected fault (see servers/vllm_plugin)")
+    d.add_argument("--base-port", type=int, default=8100)
+    d.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("BLACKBOX_CACHE", ".blackbox-cache")))
+    _common(d)
+    d.set_defaults(conversations=24)
+    return parser
+
+
+def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | None) -> RunConfig:
+    shape = Shape(prompt_blocks=args.prompt_blocks, answer_blocks=args.answer_blocks)
+    grading = Grading(
+        alpha=args.alpha, min_trigger_fraction=args.min_trigger_fraction, graders=tuple(args.grader or ())
+    )
+    return RunConfig(
+        treatment=urls["treatment"] or "",
+        control=urls["control"] or "",
+        reference=urls.get("reference"),
+        model=model,
+        conversations=args.conversations,
+        seed=args.seed,
+        concurrency=args.concurrency,
+        block_size=args.block_size,
+        api_key_env=getattr(args, "api_key_env", "BLACKBOX_API_KEY"),
+        shape=shape,
+        grading=grading,
+    )
+
+
+def execute(config: RunConfig, out: Path, command: Sequence[str], log_dir: Path | None = None) -> RunResult:
+    store = RunStore(out, new_run_id(config.seed))
+    try:
+        store.write_json("config.json", config.to_json())
+        store.write_text("command.txt", shlex.join(command) + "\n")
+        result = asyncio.run(run(config, store, ProgressLine()))
+        if log_dir is not None:
+            store.copy_logs(log_dir)
+        store.write_text("summary.txt", summary(result) + "\n")
+        return result
+    finally:
+        store.close()
+
+
+def _run(args: argparse.Namespace) -> int:
+    urls = {"treatment": args.treatment, "control": args.control, "reference": args.reference}
+    config = _config(args, urls, args.model)
+    result = execute(config, args.out, ["blackbox", *sys.argv[1:]])
+    print(summary(result))
+    return result.verdict.exit_code
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from servers.launch import Fleet
+    from servers.profiles import build_specs
+
+    roles = ("treatment", "control") if args.no_reference else ("treatment", "control", "reference")
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_dir = args.out / f"servers-{new_run_id(args.seed)}"
+    print(
+        f"blackbox demo: building the model and starting {', '.join(roles)} ({args.profile}); server logs in {log_dir}",
+        file=sys.stderr,
+    )
+    specs = build_specs(args.profile, roles, base_port=args.base_port, cache_dir=args.cache_dir, fault=args.fault)
+    with Fleet(specs, log_dir) as fleet, fleet.handle_signals():
+        fleet.start()
+        print(
+            "servers up: " + ", ".join(f"{r} {u} ({fleet.startup_s[r]:.0f} s)" for r, u in fleet.urls.items()),
+            file=sys.stderr,
+        )
+        config = _config(args, dict(fleet.urls), None)
+        result = execute(config, args.out, ["blackbox", *sys.argv[1:]], log_dir)
+    print(summary(result))
+    return result.verdict.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args) if args.command == "run" else _demo(args)
+    except errors.BlackboxError as exc:
+        print(f"blackbox: {exc.title}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("blackbox: interrupted; what was recorded is in the run folder", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The console summary: the figures a maintainer asks for first, then the verdict and what to do next."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+from blackbox.engine import RunResult
+from blackbox.verdict import Finding, Status
+
+__all__ = ["ProgressLine", "summary"]
+
+
+def _fig(findings: Mapping[str, Finding], check: str) -> Mapping[str, Any]:
+    f = findings.get(check)
+    return f.figures if f else {}
+
+
+def _fmt(value: Any, spec: str = ".3g") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def summary(result: RunResult) -> str:
+    v = result.verdict
+    by_check = {f.check: f for f in v.findings}
+    lines = [f"blackbox: {v.status.value}" + (f" ({v.error_class})" if v.error_class else "")]
+    cache, trig, draft = _fig(by_check, "cache-live"), _fig(by_check, "trigger"), _fig(by_check, "drafter-live")
+    if result.geometry:
+        lines.append(
+            f"  geometry        block {result.geometry.block_size} tokens "
+            f"({result.geometry.block_size_source}), max_model_len {result.geometry.max_model_len}"
+        )
+    if cache:
+        lines.append(
+            f"  cache           hit ratio {_fmt(cache.get('hit_ratio'), '.1%')} "
+            f"({_fmt(cache.get('hit_tokens'), 'g')} of {_fmt(cache.get('query_tokens'), 'g')} tokens)"
+        )
+    if trig:
+        lines.append(
+            f"  trigger         {trig.get('decode_region_hits')}/{trig.get('conversations')} turn-2 hits "
+            f"reached decode-written blocks (need {trig.get('needed')})"
+        )
+    if draft:
+        acc = ", ".join(f"{k}: {r:.2f}" for k, r in (draft.get("acceptance_per_position") or {}).items())
+        lines.append(f"  drafter         {_fmt(draft.get('drafts'), 'g')} drafts, acceptance per position [{acc}]")
+    rec = _fig(by_check, "recall")
+    if rec:
+        lines.append(
+            f"  recall          treatment {_fmt(rec.get('treatment_recall'), '.0%')} vs control "
+            f"{_fmt(rec.get('control_recall'), '.0%')}; flips {len(rec.get('forward_flips', []))} forward / "
+            f"{len(rec.get('reverse_flips', []))} reverse, p = {_fmt(rec.get('p_value'))}"
+        )
+    lp = _fig(by_check, "logprob")
+    if lp:
+        t, r = lp.get("treatment_first_token") or {}, lp.get("reference_first_token") or {}
+        lines.append(
+            f"  first token     |Δ logprob| median {_fmt(t.get('median'))} (treatment) vs "
+            f"{_fmt(r.get('median'))} (reference); noise floor p95 {_fmt(r.get('p95'))}"
+        )
+        ps = ", ".join(f"{k} {p:.3g}" for k, p in (lp.get("p_values") or {}).items())
+        lines.append(f"  logprob tests   {ps}")
+    ex = _fig(by_check, "exactness")
+    if ex:
+        lines.append(
+            f"  exactness       {ex.get('checked')} prefill-region hits, "
+            f"{len(ex.get('mismatches', []))} differ from recomputation"
+        )
+    if result.grades:
+        used = ", ".join(result.grades.used) or "none"
+        lines.append(f"  graders         {used}")
+        lines.extend(f"                  (not used: {g}: {why})" for g, why in result.grades.not_used)
+    lines.append("")
+    for f in v.findings:
+        mark = {Status.PASS: "ok  ", Status.FAIL: "FAIL", Status.UNKNOWN: "??  ", Status.ERROR: "ERR "}[f.status]
+        lines.append(f"  [{mark}] {f.check}: {f.reason}")
+    lines.append("")
+    lines.append(f"verdict: {v.status.value} — {v.reason}")
+    lines.append(f"run folder: {result.store_path} ({result.elapsed_s:.0f} s); exit code {v.exit_code}")
+    return "\n".join(lines)
+
+
+class ProgressLine:
+    """Progress on stderr: one rewritten line on a terminal, a line every few seconds otherwise."""
+
+    def __init__(self, stream: TextIO = sys.stderr, every_s: float = 5.0) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.every_s = every_s
+        self._last = 0.0
+        self._started = time.monotonic()
+
+    def __call__(self, done: int, total: int, note: str) -> None:
+        now = time.monotonic()
+        if not self.tty and done not in (0, total) and now - self._last < self.every_s:
+            return
+        self._last = now
+        text = f"[{now - self._started:5.0f}s] {done}/{total} conversations · {note}"
+        if self.tty:
+            self.stream.write("\r\033[K" + text)
+            if done == total and note.startswith("waiting"):
+                self.stream.write("\n")
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
