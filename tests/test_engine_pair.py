@@ -1,0 +1,68 @@
+"""The real CPU pair exercises the code path blackbox exists for (vLLM CPU, tiny hybrid model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from blackbox import metrics
+from blackbox.client import Endpoint
+from blackbox.geometry import prefix_caching
+from blackbox.workload import Shape, plan_conversation, turn1_body, turn2_body, turn2_messages
+from servers.launch import Fleet
+
+
+def _snapshot(url: str) -> metrics.MetricsSnapshot:
+    return metrics.parse(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def test_servers_are_healthy_and_expose_their_roles(cpu_fleet: Fleet) -> None:
+    for url in cpu_fleet.urls.values():
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    treatment, control = _snapshot(cpu_fleet.urls["treatment"]), _snapshot(cpu_fleet.urls["control"])
+    reference = _snapshot(cpu_fleet.urls["reference"])
+    assert prefix_caching(treatment) is True
+    assert prefix_caching(control) is False
+    assert prefix_caching(reference) is True
+    for name in (metrics.CACHE_QUERIES, metrics.CACHE_HITS, metrics.DRAFTS, metrics.ACCEPTED):
+        assert treatment.value(name) is not None, name
+    assert reference.value(metrics.DRAFTS) is None, "the reference must run without speculative decoding"
+    assert treatment.info[metrics.CACHE_CONFIG_INFO]["block_size"] == "128"
+
+
+async def _settled(url: str, before: metrics.MetricsSnapshot) -> metrics.MetricsDelta:
+    async with httpx.AsyncClient() as http:
+        last = None
+        for _ in range(60):
+            snap = metrics.parse((await http.get(f"{url}/metrics")).text)
+            if last is not None and snap.value(metrics.CACHE_HITS) == last.value(metrics.CACHE_HITS):
+                return metrics.MetricsDelta(before, snap)
+            last = snap
+            await asyncio.sleep(0.5)
+    raise AssertionError("counters never settled")
+
+
+async def test_turn2_hit_reaches_decode_written_blocks(cpu_fleet: Fleet) -> None:
+    url = cpu_fleet.urls["treatment"]
+    shape = Shape()
+    async with Endpoint("treatment", url) as ep:
+        await ep.ready()
+        plan = await plan_conversation(7, 1234, shape, 128, 4096, ep.count_tokens)
+        before = await ep.metrics()
+        salt = "test-pair-decode-region"
+        turn1 = await ep.chat({**turn1_body(plan, shape), "cache_salt": salt}, conversation=0, kind="turn1")
+        assert turn1.ok, turn1.error
+        assert turn1.completion_tokens == plan.turn1_max_tokens
+        # Turn 1 decodes across at least one block boundary past its prompt.
+        assert (plan.turn1_prompt_tokens + plan.turn1_max_tokens) // 128 > plan.turn1_prompt_tokens // 128
+        turn2 = await ep.chat(
+            turn2_body(turn2_messages(plan, turn1.text), shape, salt=salt), conversation=0, kind="turn2"
+        )
+        assert turn2.ok, turn2.error
+    delta = await _settled(url, before)
+    assert turn2.cached_tokens is not None
+    assert turn2.cached_tokens >= plan.turn1_prompt_tokens + 128, (turn2.cached_tokens, plan.turn1_prompt_tokens)
+    assert delta.value(metrics.CACHE_HITS) == (turn1.cached_tokens or 0) + turn2.cached_tokens
+    assert (delta.value(metrics.DRAFTS) or 0) > 0
+    assert (delta.value(metrics.ACCEPTED) or 0) > 0
