@@ -97,7 +97,7 @@ class Endpoint:
                 raise EndpointError(f"HTTP {status}: {response.text[:300]}")
             payload = response.json()
             parsed = parse_chat(payload)
-        except (httpx.HTTPError, EndpointError, ValueError, KeyError, TypeError) as exc:
+        except (httpx.HTTPError, EndpointError, ValueError, LookupError, TypeError, AttributeError) as exc:
             return Exchange(
                 conversation,
                 self.arm,
@@ -170,7 +170,8 @@ def _json(response: httpx.Response, what: str) -> dict[str, Any]:
 
 
 def parse_chat(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields graders read from a chat completion. Raises KeyError/TypeError on a malformed one."""
+    """The fields graders read from a chat completion. Raises LookupError, TypeError or AttributeError on a
+    malformed one."""
     choice = payload["choices"][0]
     usage = payload.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}

@@ -259,11 +259,13 @@ def grade(history: History, grading: Grading) -> Grades:
     auto = not grading.graders
     findings, used, not_used = [], [], []
     for name in chosen:
+        crashed = False
         try:
             finding = GRADER_FUNCTIONS[name](history, grading)
         except Exception as exc:  # a grader's own bug is UNKNOWN, never PASS
             finding = Finding(name, Status.UNKNOWN, f"grader crashed: {type(exc).__name__}: {exc}", {}, "NoEvidence")
-        if auto and finding.status is Status.UNKNOWN:
+            crashed = True
+        if auto and finding.status is Status.UNKNOWN and not crashed:  # a crash is not a lack of evidence
             not_used.append((name, finding.reason))
             continue
         findings.append(finding)

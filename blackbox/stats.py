@@ -31,8 +31,9 @@ def sign_test(forward: int, reverse: int) -> TestResult:
 
 
 def min_flips_detectable(alpha: float) -> int:
-    """The fewest forward flips (with no reverse flip) that the sign test calls significant at `alpha`."""
-    return max(1, math.ceil(math.log2(1 / alpha)))
+    """The fewest forward flips (with no reverse flip) that the sign test calls significant (p < `alpha`)."""
+    # 2**-k < alpha strictly: ceil(log2(1/alpha)) is one short when alpha is a power of 1/2.
+    return max(1, math.floor(math.log2(1 / alpha)) + 1)
 
 
 def mann_whitney_greater(x: Sequence[float], y: Sequence[float]) -> TestResult:

@@ -117,7 +117,12 @@ async def plan_conversation(
             hi = mid - 1
     text = await _pad(doc.text(lo), target, rng, count)
     tokens = await count(_turn1(text))
-    name, code = rng.choice([n for n in doc.needles if f"the code of {n[0]} is" in text])
+    present = [n for n in doc.needles if f"the code of {n[0]} is" in text]
+    if not present:
+        raise GeometryUnsupported(
+            f"a {target}-token prompt has no room for a fact after the instructions", hint="raise --prompt-blocks"
+        )
+    name, code = rng.choice(present)
     return Plan(
         index=index,
         turn1_messages=_turn1(text),

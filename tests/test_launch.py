@@ -1,0 +1,389 @@
+"""Profiles as data, and the Fleet against fake servers (small Python scripts), no vLLM needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import textwrap
+import time
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from servers import launch, profiles
+from servers.launch import Fleet, ServerStartError, Shutdown
+from servers.profiles import ServerSpec, build_specs
+
+SPEC = '{"method":"mtp","num_speculative_tokens":2}'
+
+
+@pytest.fixture
+def two_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(profiles, "_usable_cores", lambda: [0, 1])
+
+
+def cpu_specs(
+    tmp_path: Path, roles: tuple[str, ...] = ("treatment", "control", "reference"), **kw: Any
+) -> dict[str, ServerSpec]:
+    return {s.role: s for s in build_specs("cpu-tiny", roles, model="/m/tiny", cache_dir=tmp_path, **kw)}
+
+
+def flag(args: tuple[str, ...], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+# --- profiles ---------------------------------------------------------------------------------------------
+
+
+def test_argv_runs_the_api_server_module(tmp_path: Path, two_cores: None) -> None:
+    spec = cpu_specs(tmp_path)["treatment"]
+    assert spec.argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert spec.argv[3:11] == [
+        "--model", "/m/tiny", "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "8100",
+    ]  # fmt: skip
+    assert spec.argv[11:] == list(spec.args)
+    assert spec.url == "http://127.0.0.1:8100"
+
+
+def test_treatment_has_align_prefix_caching_spec_config_and_retention(tmp_path: Path, two_cores: None) -> None:
+    args = cpu_specs(tmp_path)["treatment"].args
+    assert "--enable-prefix-caching" in args
+    assert flag(args, "--mamba-cache-mode") == "align"
+    assert flag(args, "--prefix-cache-retention-interval") == "None"
+    assert flag(args, "--speculative-config") == SPEC
+    assert "--enable-prompt-tokens-details" in args
+    assert "--no-enable-prefix-caching" not in args
+
+
+def test_control_turns_caching_off_and_keeps_spec_config_and_compile_mode(tmp_path: Path, two_cores: None) -> None:
+    specs = cpu_specs(tmp_path)
+    args = specs["control"].args
+    assert "--no-enable-prefix-caching" in args
+    assert "--enable-prefix-caching" not in args
+    assert "--mamba-cache-mode" not in args
+    assert flag(args, "--speculative-config") == flag(specs["treatment"].args, "--speculative-config")
+    assert "--enable-prompt-tokens-details" in args
+    for role in ("treatment", "control", "reference"):
+        assert "--enforce-eager" in specs[role].args
+
+
+def test_reference_is_treatment_without_spec_decode(tmp_path: Path, two_cores: None) -> None:
+    specs = cpu_specs(tmp_path)
+    args = specs["reference"].args
+    assert "--speculative-config" not in args
+    treatment = list(specs["treatment"].args)
+    cut = treatment.index("--speculative-config")
+    del treatment[cut : cut + 2]
+    assert list(args) == treatment
+
+
+def test_cpu_common_flags_and_env(tmp_path: Path, two_cores: None) -> None:
+    for spec in cpu_specs(tmp_path).values():
+        assert flag(spec.args, "--dtype") == "bfloat16"
+        assert flag(spec.args, "--max-model-len") == "4096"
+        assert flag(spec.args, "--max-num-seqs") == "8"
+        assert "--max-num-batched-tokens" not in spec.args
+        assert "--tensor-parallel-size" not in spec.args
+        assert spec.device == "cpu"
+        assert spec.served_model_name == "tiny"
+        assert spec.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+        assert spec.env["VLLM_HOST_IP"] == "127.0.0.1"
+        assert spec.env["HF_HUB_OFFLINE"] == "1"
+        assert spec.env["BLACKBOX_VLLM_PLUGINS"] == "cpu-kernels"
+        assert "BLACKBOX_FAULT" not in spec.env
+        assert "CUDA_VISIBLE_DEVICES" not in spec.env
+
+
+def test_ports_follow_the_role_not_the_order(tmp_path: Path, two_cores: None) -> None:
+    specs = cpu_specs(tmp_path, ("reference", "treatment"), base_port=8140)
+    assert specs["treatment"].port == 8140
+    assert specs["reference"].port == 8142
+
+
+def test_cpu_cores_spread_over_roles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def binds(cores: list[int], roles: tuple[str, ...]) -> dict[str, str]:
+        monkeypatch.setattr(profiles, "_usable_cores", lambda: cores)
+        return {r: s.env["VLLM_CPU_OMP_THREADS_BIND"] for r, s in cpu_specs(tmp_path, roles).items()}
+
+    three = ("treatment", "control", "reference")
+    assert binds([0, 1], three) == {"treatment": "0", "control": "1", "reference": "1"}
+    assert binds([0, 1], three[:2]) == {"treatment": "0", "control": "1"}
+    assert binds([0], three) == {"treatment": "0", "control": "0", "reference": "0"}
+    assert binds([0, 1, 2, 3], three[:2]) == {"treatment": "0-1", "control": "2-3"}
+    assert binds([0, 2, 4, 6, 8, 10], three) == {"treatment": "0,2", "control": "4,6", "reference": "8,10"}
+
+
+def test_fault_goes_to_the_treatment_only(tmp_path: Path, two_cores: None) -> None:
+    specs = cpu_specs(tmp_path, fault="stale-state")
+    assert specs["treatment"].env["BLACKBOX_VLLM_PLUGINS"] == "cpu-kernels,faults"
+    assert specs["treatment"].env["BLACKBOX_FAULT"] == "stale-state"
+    for role in ("control", "reference"):
+        assert specs[role].env["BLACKBOX_VLLM_PLUGINS"] == "cpu-kernels"
+        assert "BLACKBOX_FAULT" not in specs[role].env
+
+
+def test_fragmented_profile_shrinks_the_prefill_budget(tmp_path: Path, two_cores: None) -> None:
+    specs = build_specs("cpu-tiny-fragmented", model="/m", cache_dir=tmp_path)
+    for spec in specs:
+        budget = int(flag(spec.args, "--max-num-batched-tokens"))
+        assert budget == 256
+        assert budget >= int(flag(spec.args, "--max-num-seqs"))  # vLLM's lower bound
+
+
+def test_cpu_tiny_builds_the_model_lazily(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Path] = []
+
+    def build(cache_dir: Path) -> Path:
+        calls.append(cache_dir)
+        return cache_dir / "tiny-model"
+
+    fake = types.ModuleType("servers.tiny_model")
+    fake.build_tiny_model = build  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "servers.tiny_model", fake)
+    specs = build_specs("cpu-tiny", cache_dir=tmp_path)
+    assert calls == [tmp_path]
+    assert {s.model for s in specs} == {str(tmp_path / "tiny-model")}
+
+
+def test_extra_args_and_spec_override_reach_every_role(tmp_path: Path, two_cores: None) -> None:
+    override = {"method": "mtp", "num_speculative_tokens": 1}
+    specs = cpu_specs(tmp_path, extra_args=["--seed", "7"], speculative_config=override)
+    for spec in specs.values():
+        assert spec.args[-2:] == ("--seed", "7")
+    assert json.loads(flag(specs["treatment"].args, "--speculative-config")) == override
+    assert flag(specs["control"].args, "--speculative-config") == flag(specs["treatment"].args, "--speculative-config")
+
+
+def test_qwen_preset_pins_one_gpu_per_role(tmp_path: Path) -> None:
+    specs = build_specs("qwen3.6-27b-fp8", ("treatment", "control", "reference"), cache_dir=tmp_path)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "1", "2"]
+    for spec in specs:
+        assert spec.model == spec.served_model_name == "Qwen/Qwen3.6-27B-FP8"
+        assert spec.device == "cuda"
+        assert flag(spec.args, "--tensor-parallel-size") == "1"
+        assert flag(spec.args, "--gpu-memory-utilization") == "0.90"
+        assert "--enforce-eager" not in spec.args
+        assert "BLACKBOX_VLLM_PLUGINS" not in spec.env
+    assert flag(specs[0].args, "--speculative-config") == SPEC
+
+
+def test_nemotron_preset_takes_disjoint_gpu_sets_in_order(tmp_path: Path) -> None:
+    specs = build_specs("nemotron-3-super-120b", gpus=[7, 6, 5, 4, 3, 2, 1, 0], cache_dir=tmp_path)
+    sets = [s.env["CUDA_VISIBLE_DEVICES"] for s in specs]
+    assert sets == ["7,6,5,4", "3,2,1,0"]
+    assert specs[0].model == "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16"
+    assert flag(specs[0].args, "--tensor-parallel-size") == "4"
+    assert json.loads(flag(specs[0].args, "--speculative-config"))["method"] == "mtp"
+
+
+def test_custom_profile(tmp_path: Path) -> None:
+    specs = build_specs("custom", model="/models/my-hybrid", tensor_parallel=2, cache_dir=tmp_path, fault="x")
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2,3"]
+    assert specs[0].served_model_name == "my-hybrid"
+    assert specs[0].env["BLACKBOX_VLLM_PLUGINS"] == "faults"
+    assert flag(specs[0].args, "--tensor-parallel-size") == "2"
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda d: build_specs("cpu-huge", cache_dir=d), ["unknown profile", "cpu-tiny"]),
+        (lambda d: build_specs("cpu-tiny", ("treatment", "judge"), model="m", cache_dir=d), ["'judge'"]),
+        (lambda d: build_specs("cpu-tiny", ("control", "control"), model="m", cache_dir=d), ["repeat"]),
+        (lambda d: build_specs("cpu-tiny", (), model="m", cache_dir=d), ["no roles"]),
+        (lambda d: build_specs("cpu-tiny", model="m", tensor_parallel=2, cache_dir=d), ["--tp 1"]),
+        (lambda d: build_specs("custom", cache_dir=d), ["needs a model", "--model"]),
+        (lambda d: build_specs("custom", model="m", tensor_parallel=0, cache_dir=d), ["not positive"]),
+        (lambda d: build_specs("nemotron-3-super-120b", gpus=range(6), cache_dir=d), ["need 8 GPUs", "got 6"]),
+        (lambda d: build_specs("qwen3.6-27b-fp8", gpus=[1, 1], cache_dir=d), ["repeats"]),
+    ],
+)
+def test_bad_input_says_what_to_do(
+    tmp_path: Path, two_cores: None, call: Callable[[Path], object], words: list[str]
+) -> None:
+    with pytest.raises(ValueError) as info:
+        call(tmp_path)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_fleet_refuses_shared_ports(tmp_path: Path) -> None:
+    spec = fake_spec("treatment", 9000, ["true"])
+    with pytest.raises(ValueError, match="share a port"):
+        Fleet([spec, fake_spec("control", 9000, ["true"])], tmp_path)
+
+
+# --- fleet ------------------------------------------------------------------------------------------------
+
+FAKE_SERVER = textwrap.dedent(
+    """
+    import http.server, json, signal, subprocess, sys
+    port, name, pid_file, child_ignores_term = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+    code = "import signal, time\\n"
+    if child_ignores_term:
+        code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+    child = subprocess.Popen([sys.executable, "-c", code + "time.sleep(600)"])
+    open(pid_file, "w").write(str(child.pid))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/health":
+                body = b""
+            elif self.path == "/v1/models":
+                body = json.dumps({"object": "list", "data": [{"id": name}]}).encode()
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    print("fake server up", flush=True)
+    http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def fake_spec(role: str, port: int, command: list[str]) -> ServerSpec:
+    return ServerSpec(role, "fake", "fake-model", port, (), {"FAKE_ROLE": role}, "cpu", tuple(command))
+
+
+def fake_server(tmp_path: Path, role: str, *, child_ignores_term: bool = False) -> tuple[ServerSpec, Path]:
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    pid_file = tmp_path / f"{role}.child"
+    port = free_port()
+    argv = [sys.executable, str(script), str(port), "fake-model", str(pid_file), str(int(child_ignores_term))]
+    return fake_spec(role, port, argv), pid_file
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def started(tmp_path: Path) -> Iterator[tuple[Fleet, dict[str, int]]]:
+    """Two fake servers, each with a child; yields the fleet and the children's PIDs."""
+    (a, a_pid), (b, b_pid) = fake_server(tmp_path, "treatment"), fake_server(tmp_path, "control")
+    fleet = Fleet([a, b], tmp_path / "logs")
+    with fleet:
+        fleet.start(timeout_s=30)
+        children = {"treatment": int(a_pid.read_text()), "control": int(b_pid.read_text())}
+        yield fleet, children
+
+
+def test_start_waits_for_health_and_records_everything(started: tuple[Fleet, dict[str, int]]) -> None:
+    fleet, _ = started
+    assert set(fleet.urls) == {"treatment", "control"}
+    assert all(url.startswith("http://127.0.0.1:") for url in fleet.urls.values())
+    assert set(fleet.startup_s) == {"treatment", "control"}
+    assert all(0 < s < 30 for s in fleet.startup_s.values())
+    rss = fleet.rss_bytes()
+    assert all(n > 1_000_000 for n in rss.values())  # a Python server and its Python child
+    record = json.loads((fleet.log_dir / "pids.json").read_text())
+    assert record["treatment"]["pid"] == fleet.pids["treatment"]
+    assert record["control"]["env"] == {"FAKE_ROLE": "control"}
+    assert "fake server up" in (fleet.log_dir / "treatment.log").read_text()
+    assert fleet.exited() == {}
+
+
+def test_stop_kills_each_process_group_and_is_idempotent(started: tuple[Fleet, dict[str, int]]) -> None:
+    fleet, children = started
+    pids = [*fleet.pids.values(), *children.values()]
+    assert not any(gone(pid) for pid in pids)
+    fleet.stop()
+    assert all(gone(pid) for pid in pids)
+    fleet.stop()
+    assert set(fleet.exited()) == {"treatment", "control"}
+
+
+def test_stop_escalates_to_sigkill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "STOP_GRACE_S", 1.0)
+    spec, pid_file = fake_server(tmp_path, "treatment", child_ignores_term=True)
+    with Fleet([spec], tmp_path / "logs") as fleet:
+        fleet.start(timeout_s=30)
+        child = int(pid_file.read_text())
+        began = time.monotonic()
+        fleet.stop()
+        assert gone(child)
+        assert gone(fleet.pids["treatment"])
+        assert time.monotonic() - began < 10
+
+
+def test_port_taken_names_port_role_and_fix(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        fleet = Fleet([fake_spec("control", port, [sys.executable, "-c", "pass"])], tmp_path)
+        with pytest.raises(ServerStartError) as info:
+            fleet.start(timeout_s=5)
+    err = info.value
+    assert (err.role, err.port) == ("control", port)
+    assert str(port) in str(err)
+    assert "control" in str(err)
+    assert "--base-port" in str(err)
+    assert fleet.pids == {}  # nothing was started
+
+
+def test_server_dying_at_start_raises_with_its_log_tail(tmp_path: Path) -> None:
+    script = "import sys\nfor i in range(60): print(f'line {i}')\nsys.exit(3)"
+    healthy, _ = fake_server(tmp_path, "control")
+    dying = fake_spec("treatment", free_port(), [sys.executable, "-c", script])
+    with Fleet([dying, healthy], tmp_path / "logs") as fleet, pytest.raises(ServerStartError) as info:
+        fleet.start(timeout_s=30)
+    err = info.value
+    assert (err.role, err.returncode) == ("treatment", 3)
+    text = str(err)
+    assert "treatment" in text
+    assert "code 3" in text
+    assert "line 59" in text
+    assert "line 20" in text
+    assert "line 19\n" not in text  # only the last 40 lines
+    assert gone(fleet.pids["control"])  # the healthy one was stopped too
+
+
+def test_server_never_ready_times_out(tmp_path: Path) -> None:
+    script = "import time\nprint('loading', flush=True)\ntime.sleep(60)"
+    silent = fake_spec("reference", free_port(), [sys.executable, "-c", script])
+    with Fleet([silent], tmp_path) as fleet, pytest.raises(ServerStartError) as info:
+        fleet.start(timeout_s=1)
+    assert "not ready after 1 s" in str(info.value)
+    assert "loading" in info.value.log_tail
+    assert gone(fleet.pids["reference"])
+
+
+def test_signals_raise_shutdown_and_handlers_come_back(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    fleet = Fleet([], tmp_path)
+    with pytest.raises(Shutdown) as info, fleet.handle_signals():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    assert info.value.signum == signal.SIGTERM
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_cli_reports_bad_input_with_exit_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = launch.main(["--profile", "custom", "--log-dir", str(tmp_path), "--cache-dir", str(tmp_path)])
+    assert code == 3
+    assert "--model" in capsys.readouterr().err
