@@ -116,7 +116,10 @@ def _demo(args: argparse.Namespace) -> int:
         f"blackbox demo: building the model and starting {', '.join(roles)} ({args.profile}); server logs in {log_dir}",
         file=sys.stderr,
     )
-    specs = build_specs(args.profile, roles, base_port=args.base_port, cache_dir=args.cache_dir, fault=args.fault)
+    try:
+        specs = build_specs(args.profile, roles, base_port=args.base_port, cache_dir=args.cache_dir, fault=args.fault)
+    except ValueError as exc:
+        raise errors.UsageError(str(exc), hint="see `blackbox demo --help`") from exc
     with Fleet(specs, log_dir) as fleet, fleet.handle_signals():
         fleet.start()
         print(

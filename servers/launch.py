@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import psutil
 
+from blackbox import errors
 from servers.profiles import PROFILES, ROLES, ServerSpec, build_specs
 
 __all__ = ["Fleet", "ServerStartError", "Shutdown", "log_tail", "main", "port_free"]
@@ -39,8 +40,8 @@ LOG_TAIL_LINES = 40
 POLL_S = 0.5
 
 
-class ServerStartError(Exception):
-    """A server could not start: its port was taken, it exited, or it never became ready."""
+class ServerStartError(errors.ServerStartError):
+    """A server could not start: its port was taken, it exited, or it never became ready (exit code 4)."""
 
     def __init__(
         self,
@@ -53,21 +54,19 @@ class ServerStartError(Exception):
         log_tail: str = "",
         hint: str = "",
     ) -> None:
-        self.message = message
         self.role = role
         self.port = port
         self.returncode = returncode
         self.log_path = log_path
         self.log_tail = log_tail
-        self.hint = hint
-        super().__init__(self._render())
+        super().__init__(message, hint=hint)
 
-    def _render(self) -> str:
+    def __str__(self) -> str:
         parts = [self.message]
         if self.log_tail:
             parts.append(f"--- last lines of {self.log_path} ---\n{self.log_tail.rstrip()}\n---")
         if self.hint:
-            parts.append(f"-> {self.hint}")
+            parts.append(f"  -> {self.hint}")
         return "\n".join(parts)
 
 
