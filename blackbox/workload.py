@@ -31,7 +31,7 @@ class Shape:
 
     prompt_blocks: int = 3
     margin: int = 16  # turn 1's prompt ends this many tokens below a block boundary
-    answer_blocks: int = 2  # turn 1 decodes margin + answer_blocks * block_size tokens
+    answer_blocks: int = 2  # whole blocks turn 1 decodes past its prompt's boundary
     needles: int = 6
     code_words: int = 3
     turn2_max_tokens: int = 32
@@ -39,7 +39,10 @@ class Shape:
     top_logprobs: int = 5
 
     def turn1_tokens(self, block_size: int) -> int:
-        return self.margin + self.answer_blocks * block_size
+        """Decode past the boundary, then `answer_blocks` whole blocks, then half a block more: with MTP the
+        lookup drops the last matched block, so the decode-written checkpoint is reachable only if turn 1's
+        computed tokens cover one block beyond it."""
+        return self.margin + self.answer_blocks * block_size + block_size // 2
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ def _document(rng: random.Random, shape: Shape, sentences: int) -> _Document:
     needles = tuple((n, " ".join(rng.choice(CODE_WORDS) for _ in range(shape.code_words))) for n in names)
     facts = [f"the code of {n} is {c} ." for n, c in needles]
     filler = [" ".join(rng.choice(FILLER) for _ in range(rng.randint(6, 14))) + " ." for _ in range(sentences)]
-    # Facts spread through the first part so every needle sits in the cached, prefill-written region.
+    # Facts spread through the document; the question asks only about one that made it into the prompt.
     body: list[str] = []
     step = max(1, sentences // (2 * len(facts)))
     for i, sentence in enumerate(filler):
