@@ -75,6 +75,8 @@ def summary(result: RunResult) -> str:
     for f in v.findings:
         mark = {Status.PASS: "ok  ", Status.FAIL: "FAIL", Status.UNKNOWN: "??  ", Status.ERROR: "ERR "}[f.status]
         lines.append(f"  [{mark}] {f.check}: {f.reason}")
+        if f.hint and f.status is not Status.PASS:
+            lines.append(f"         -> {f.hint}")
     lines.append("")
     lines.append(f"verdict: {v.status.value} — {v.reason}")
     lines.append(f"run folder: {result.store_path} ({result.elapsed_s:.0f} s); exit code {v.exit_code}")

@@ -41,6 +41,7 @@ class Finding:
     reason: str
     figures: Mapping[str, Any] = field(default_factory=dict)
     error_class: str | None = None
+    hint: str = ""  # what to do next
 
     @classmethod
     def passed(cls, check: str, reason: str, **figures: Any) -> Finding:
@@ -55,7 +56,7 @@ class Finding:
             if isinstance(error, errors.Inconclusive)
             else Status.ERROR
         )
-        return cls(check, status, str(error), figures, error.title)
+        return cls(check, status, error.message, figures, error.title, error.hint)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -63,6 +64,7 @@ class Finding:
             "status": self.status.value,
             "reason": self.reason,
             "error_class": self.error_class,
+            "hint": self.hint,
             "figures": dict(self.figures),
         }
 
@@ -74,6 +76,7 @@ class Verdict:
     error_class: str | None
     findings: tuple[Finding, ...]
     exit_code: int
+    hint: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -81,6 +84,7 @@ class Verdict:
             "reason": self.reason,
             "error_class": self.error_class,
             "exit_code": self.exit_code,
+            "hint": self.hint,
             "findings": [f.to_json() for f in self.findings],
         }
 
@@ -93,9 +97,8 @@ def merge(findings: Iterable[Finding]) -> Verdict:
     worst = max(found, key=lambda f: f.status.rank)
     exit_code = _EXIT.get(worst.status) or _error_exit(worst)
     if worst.status is Status.PASS:
-        reason = "; ".join(f"{f.check}: {f.reason}" for f in found)
-        return Verdict(Status.PASS, reason, None, found, 0)
-    return Verdict(worst.status, f"{worst.check}: {worst.reason}", worst.error_class, found, exit_code)
+        return Verdict(Status.PASS, "every check passed: " + ", ".join(f.check for f in found), None, found, 0)
+    return Verdict(worst.status, f"{worst.check}: {worst.reason}", worst.error_class, found, exit_code, worst.hint)
 
 
 def _error_exit(finding: Finding) -> int:

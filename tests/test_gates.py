@@ -47,7 +47,7 @@ def test_zero_hits_is_cache_not_live() -> None:
     finding = assert_only_failure(h.healthy(CACHE_HITS=0), "cache-live", errors.CacheNotLive)
     assert finding.status is Status.UNKNOWN
     assert "did not move over 4000" in finding.reason
-    assert "--enable-prefix-caching" in finding.reason
+    assert "--enable-prefix-caching" in finding.hint
 
 
 def test_missing_hit_counter_is_cache_not_live() -> None:
@@ -71,7 +71,7 @@ def test_hits_only_in_the_prompt_region_do_not_exercise_the_trigger() -> None:
     finding = assert_only_failure(h.healthy(turn2_cached=h.PROMPT_HIT), "trigger", errors.TriggerNotExercised)
     assert finding.figures["decode_region_hits"] == 0
     assert "only 0 of 4" in finding.reason
-    assert "--prefix-cache-retention-interval" in finding.reason
+    assert "--prefix-cache-retention-interval" in finding.hint
 
 
 @pytest.mark.parametrize(
@@ -114,7 +114,7 @@ def test_too_few_decode_region_hits_is_trigger_not_exercised() -> None:
 def test_cached_tokens_absent_points_at_prompt_tokens_details() -> None:
     finding = assert_only_failure(h.healthy(turn2_cached=None), "trigger", errors.TriggerNotExercised)
     assert "reported no usage.prompt_tokens_details.cached_tokens" in finding.reason
-    assert "--enable-prompt-tokens-details" in finding.reason
+    assert "--enable-prompt-tokens-details" in finding.hint
 
 
 # --- drafter-live -------------------------------------------------------------------------------------------
@@ -135,7 +135,7 @@ def test_no_spec_decode_metrics_is_spec_decode_not_engaged() -> None:
     history = h.healthy(DRAFTS=None, DRAFT_TOKENS=None, ACCEPTED=None, ACCEPTED_PER_POS=None)
     finding = assert_only_failure(history, "drafter-live", errors.SpecDecodeNotEngaged)
     assert "no speculative-decoding counters" in finding.reason
-    assert "--speculative-config" in finding.reason
+    assert "--speculative-config" in finding.hint
 
 
 # --- counters -----------------------------------------------------------------------------------------------

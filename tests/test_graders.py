@@ -169,7 +169,7 @@ def test_eight_forward_flips_and_no_reverse_is_corruption() -> None:
     assert finding.figures["reverse_flips"] == []
     assert finding.figures["p_value"] == pytest.approx(1 / 256)
     assert finding.figures["min_detectable_drop"] == pytest.approx(7 / 12)
-    assert "conversations [0, 1, 2, 3, 4, 5, 6, 7]" in finding.reason
+    assert "conversations [0, 1, 2, 3, 4, 5, 6, 7]" in finding.hint
 
 
 def test_balanced_flips_pass() -> None:
