@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -95,7 +96,8 @@ async def _drive(
 
     def record(e: Exchange) -> Exchange:
         store.record(e)
-        return e
+        # The raw body (logprobs as nested JSON) is on disk now; graders read the parsed tokens only.
+        return dataclasses.replace(e, response=None)
 
     async def one(plan: Plan) -> list[Exchange]:
         nonlocal done
