@@ -1,0 +1,63 @@
+"""The CLI's contract without a server: bad input and dead endpoints get their own exit codes and lose nothing."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from blackbox.cli import main
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_bad_url_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", "--treatment", "localhost:8000", "--control", "http://127.0.0.1:1", "--out", str(tmp_path)])
+    assert code == 3
+    err = capsys.readouterr().err
+    assert "UsageError" in err and "--treatment must be an http(s) URL" in err
+
+
+def test_unknown_flag_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--treatment", "http://x", "--control", "http://y", "--bogus"])
+    assert exc.value.code == 3
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_zero_conversations_is_a_usage_error(tmp_path: Path) -> None:
+    url = "http://127.0.0.1:1"
+    assert main(["run", "--treatment", url, "--control", url, "--conversations", "0", "--out", str(tmp_path)]) == 3
+
+
+def test_unreachable_endpoint_is_exit_4_with_a_stored_verdict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    code = main(["run", "--treatment", url, "--control", url, "--conversations", "1", "--out", str(tmp_path)])
+    assert code == 4
+    (run,) = list(tmp_path.iterdir())
+    verdict = json.loads((run / "verdict.json").read_text())
+    assert verdict["status"] == "ERROR" and verdict["error_class"] == "EndpointError"
+    assert (run / "config.json").is_file() and (run / "command.txt").is_file()
+    assert "is the server up and the URL right?" in capsys.readouterr().out
+
+
+def test_api_key_never_reaches_the_run_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BLACKBOX_API_KEY", "sk-very-secret-123")
+    url = f"http://127.0.0.1:{_free_port()}"
+    main(["run", "--treatment", url, "--control", url, "--conversations", "1", "--out", str(tmp_path)])
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert "sk-very-secret-123" not in path.read_text()
+
+
+def test_demo_rejects_an_unknown_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--profile", "no-such-profile", "--out", str(tmp_path)]) == 3
+    assert "no-such-profile" in capsys.readouterr().err

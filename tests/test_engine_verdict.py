@@ -1,0 +1,70 @@
+"""A clean run on the real CPU servers, through the CLI: PASS with the trigger proven, and a complete run folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from servers.launch import Fleet
+
+
+def _run(fleet: Fleet, out: Path, *extra: str) -> tuple[int, str, Path]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "blackbox.cli",
+        "run",
+        "--treatment",
+        fleet.urls["treatment"],
+        "--control",
+        fleet.urls["control"],
+        "--out",
+        str(out),
+        *extra,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    runs = sorted(p for p in out.iterdir() if (p / "verdict.json").exists())
+    assert runs, proc.stdout + proc.stderr
+    return proc.returncode, proc.stdout + proc.stderr, runs[-1]
+
+
+def test_clean_pair_passes_with_the_trigger_proven(cpu_fleet: Fleet, tmp_path: Path) -> None:
+    code, output, run = _run(
+        cpu_fleet, tmp_path, "--reference", cpu_fleet.urls["reference"], "--conversations", "16", "--seed", "11"
+    )
+    verdict = json.loads((run / "verdict.json").read_text())
+    assert code == 0, output
+    assert verdict["status"] == "PASS", output
+    checks = {f["check"]: f for f in verdict["findings"]}
+    trigger = checks["trigger"]["figures"]
+    assert trigger["decode_region_hits"] >= 12, trigger  # "most conversations"
+    assert checks["exactness"]["figures"]["checked"] >= 12
+    assert set(verdict["graders_used"]) == {"exactness", "logprob"}
+    assert checks["drafter-live"]["figures"]["accepted_tokens"] > 0
+    # The run folder holds what is needed to replay it.
+    exchanges = (run / "exchanges.jsonl").read_text().splitlines()
+    assert len(exchanges) == 16 * 9  # per conversation: treatment 5, control 1, reference 3
+    for arm in ("treatment", "control", "reference"):
+        assert (run / "metrics" / f"{arm}-before.prom").is_file()
+        assert (run / "metrics" / f"{arm}-after.prom").is_file()
+    assert list((run / "replay").glob("*.sh"))
+    assert "blackbox: PASS" in output and "acceptance per position" in output
+
+
+def test_without_a_reference_the_logprob_grader_says_why_it_was_not_used(cpu_fleet: Fleet, tmp_path: Path) -> None:
+    code, output, run = _run(cpu_fleet, tmp_path, "--conversations", "4", "--seed", "12")
+    verdict = json.loads((run / "verdict.json").read_text())
+    not_used = {g["grader"]: g["why"] for g in verdict["graders_not_used"]}
+    assert "reference" in not_used["logprob"]
+    assert "recall" in not_used  # the tiny model cannot recall; auto mode says so instead of grading it
+    assert verdict["graders_used"] == ["exactness"]
+    assert code == 0 and verdict["status"] == "PASS", output
+
+
+def test_naming_the_recall_grader_on_a_model_that_cannot_recall_is_unknown(cpu_fleet: Fleet, tmp_path: Path) -> None:
+    code, output, run = _run(cpu_fleet, tmp_path, "--conversations", "4", "--seed", "13", "--grader", "recall")
+    verdict = json.loads((run / "verdict.json").read_text())
+    assert code == 2, output
+    assert verdict["status"] == "UNKNOWN" and verdict["error_class"] == "ControlQualityFailure"
