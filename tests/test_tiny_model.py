@@ -18,6 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from blackbox.vocabulary import PUNCTUATION
+from blackbox.vocabulary import WORDS as BLACKBOX_WORDS
 from servers import tiny_model
 from servers.tiny_model import SPECIAL_TOKENS, VERSION, WORDS, build_tiny_model, successor
 
@@ -239,14 +241,15 @@ def test_mtp_head_proposes_the_successor_of_the_next_token(model_dir: Path, fp32
 def test_word_list_fills_the_vocab_and_has_codes() -> None:
     assert len(WORDS) + len(SPECIAL_TOKENS) == tiny_model.VOCAB_SIZE
     assert len(set(WORDS)) == len(WORDS)
-    assert all(w.isalnum() and w.islower() or w.isdigit() for w in WORDS)
+    assert all((w.isalnum() and w.islower()) or w.isdigit() or w in PUNCTUATION for w in WORDS)
+    assert set(BLACKBOX_WORDS) <= set(WORDS)  # the tester's documents tokenize without <unk>
     assert {"user", "assistant", "system", "code", "0", "42", "k07"} <= set(WORDS)
 
 
 def test_decode_then_encode_is_the_identity_and_the_chat_template_keeps_boundaries(model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
     rng = np.random.default_rng(3)
     answer_ids = _words(rng, 300)[0].tolist()
     answer = tokenizer.decode(answer_ids)
@@ -254,7 +257,7 @@ def test_decode_then_encode_is_the_identity_and_the_chat_template_keeps_boundari
     assert "  " not in answer
 
     question = " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), 50))
-    turn1 = [{"role": "user", "content": question}]
+    turn1: list[dict[str, str]] = [{"role": "user", "content": question}]
     prompt1 = tokenizer.apply_chat_template(turn1, tokenize=True, add_generation_prompt=True)["input_ids"]
     turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "what is the code"}]
     prompt2 = tokenizer.apply_chat_template(turn2, tokenize=True, add_generation_prompt=True)["input_ids"]
