@@ -9,6 +9,7 @@ import httpx
 from blackbox import metrics
 from blackbox.client import Endpoint
 from blackbox.geometry import prefix_caching
+from blackbox.history import Exchange, Plan
 from blackbox.workload import Shape, plan_conversation, turn1_body, turn2_body, turn2_messages
 from servers.launch import Fleet
 
@@ -44,25 +45,38 @@ async def _settled(url: str, before: metrics.MetricsSnapshot) -> metrics.Metrics
 
 
 async def test_turn2_hit_reaches_decode_written_blocks(cpu_fleet: Fleet) -> None:
+    """A boundary crossed inside an accepted draft gets no checkpoint (~84% of conversations reach the region
+    on this pair), so four conversations run and at least one must reach it; the counter must match them all."""
     url = cpu_fleet.urls["treatment"]
     shape = Shape()
     async with Endpoint("treatment", url) as ep:
         await ep.ready()
-        plan = await plan_conversation(7, 1234, shape, 128, 4096, ep.count_tokens)
+        plans = [await plan_conversation(i, 1234, shape, 128, 4096, ep.count_tokens) for i in range(4)]
         before = await ep.metrics()
-        salt = "test-pair-decode-region"
-        turn1 = await ep.chat({**turn1_body(plan, shape), "cache_salt": salt}, conversation=0, kind="turn1")
-        assert turn1.ok, turn1.error
-        assert turn1.completion_tokens == plan.turn1_max_tokens
-        # Turn 1 decodes across at least one block boundary past its prompt.
-        assert (plan.turn1_prompt_tokens + plan.turn1_max_tokens) // 128 > plan.turn1_prompt_tokens // 128
-        turn2 = await ep.chat(
-            turn2_body(turn2_messages(plan, turn1.text), shape, salt=salt), conversation=0, kind="turn2"
-        )
-        assert turn2.ok, turn2.error
+
+        async def conversation(plan: Plan) -> tuple[Exchange, Exchange]:
+            salt = f"test-pair-decode-region-{plan.index}"
+            turn1 = await ep.chat({**turn1_body(plan, shape), "cache_salt": salt}, conversation=0, kind="turn1")
+            assert turn1.ok, turn1.error
+            turn2 = await ep.chat(
+                turn2_body(turn2_messages(plan, turn1.text), shape, salt=salt), conversation=0, kind="turn2"
+            )
+            assert turn2.ok, turn2.error
+            return turn1, turn2
+
+        pairs = await asyncio.gather(*(conversation(p) for p in plans))
     delta = await _settled(url, before)
-    assert turn2.cached_tokens is not None
-    assert turn2.cached_tokens >= plan.turn1_prompt_tokens + 128, (turn2.cached_tokens, plan.turn1_prompt_tokens)
-    assert delta.value(metrics.CACHE_HITS) == (turn1.cached_tokens or 0) + turn2.cached_tokens
+    for plan, (turn1, _) in zip(plans, pairs, strict=True):
+        assert turn1.completion_tokens == plan.turn1_max_tokens
+        # Turn 1 decodes across block boundaries past its prompt.
+        assert (plan.turn1_prompt_tokens + plan.turn1_max_tokens) // 128 > plan.turn1_prompt_tokens // 128 + 1
+    reached = [
+        t2.cached_tokens
+        for plan, (_, t2) in zip(plans, pairs, strict=True)
+        if t2.cached_tokens is not None and t2.cached_tokens >= plan.turn1_prompt_tokens + 128
+    ]
+    assert reached, [(p.turn1_prompt_tokens, t2.cached_tokens) for p, (_, t2) in zip(plans, pairs, strict=True)]
+    cached = sum((t1.cached_tokens or 0) + (t2.cached_tokens or 0) for t1, t2 in pairs)
+    assert delta.value(metrics.CACHE_HITS) == cached
     assert (delta.value(metrics.DRAFTS) or 0) > 0
     assert (delta.value(metrics.ACCEPTED) or 0) > 0
