@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from blackbox import errors
-from blackbox.config import GRADERS, Grading, RunConfig
+from blackbox.config import GRADERS, PROBES, Grading, RunConfig
 from blackbox.engine import RunResult, run
+from blackbox.race import RaceSettings
 from blackbox.report import ProgressLine, summary
 from blackbox.store import RunStore, new_run_id
 from blackbox.workload import Shape
@@ -40,6 +41,19 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grader", action="append", choices=GRADERS, help="grade with these only (default: auto)")
     p.add_argument("--alpha", type=float, default=Grading.alpha, help="significance level (default 0.01)")
     p.add_argument("--min-trigger-fraction", type=float, default=Grading.min_trigger_fraction)
+    p.add_argument(
+        "--probe",
+        action="append",
+        choices=PROBES,
+        help="multiturn (default): decode-written blocks re-used by turn 2; cold-race: concurrent cold "
+        "prefills under a small step budget (A1). Repeat for both.",
+    )
+    p.add_argument("--racers", type=int, default=RaceSettings.racers, help="identical prompts per cold-race round")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="the treatment's step budget, when its /server_info is not exposed (cold-race trigger proof)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,6 +94,9 @@ def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | 
         api_key_env=getattr(args, "api_key_env", "BLACKBOX_API_KEY"),
         shape=shape,
         grading=grading,
+        probes=tuple(dict.fromkeys(args.probe or ("multiturn",))),
+        race=RaceSettings(racers=args.racers),
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
 
 

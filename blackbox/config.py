@@ -7,11 +7,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from blackbox.errors import UsageError
+from blackbox.race import RaceSettings
 from blackbox.workload import Shape
 
-__all__ = ["GRADERS", "Grading", "RunConfig"]
+__all__ = ["GRADERS", "PROBES", "Grading", "RunConfig"]
 
 GRADERS = ("exactness", "recall", "logprob")
+PROBES = ("multiturn", "cold-race")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class RunConfig:
     settle_s: float = 30.0
     shape: Shape = field(default_factory=Shape)
     grading: Grading = field(default_factory=Grading)
+    probes: tuple[str, ...] = ("multiturn",)
+    race: RaceSettings = field(default_factory=RaceSettings)
+    max_num_batched_tokens: int | None = None  # the treatment's step budget, if /server_info is not offered
 
     def __post_init__(self) -> None:
         _require(self.conversations >= 1, "--conversations must be at least 1")
@@ -47,6 +52,10 @@ class RunConfig:
         _require(self.block_size is None or self.block_size > 0, "--block-size must be positive")
         _require(0 < self.grading.alpha < 1, "--alpha must be between 0 and 1")
         _require(0 < self.grading.min_trigger_fraction <= 1, "--min-trigger-fraction must be in (0, 1]")
+        _require(bool(self.probes), "name at least one --probe")
+        for p in self.probes:
+            _require(p in PROBES, f"unknown probe {p!r}; choose from {', '.join(PROBES)}")
+        _require(self.race.racers >= 2, "--racers must be at least 2")
         for g in self.grading.graders:
             _require(g in GRADERS, f"unknown grader {g!r}; choose from {', '.join(GRADERS)} or auto")
         for name in ("treatment", "control", "reference"):

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from blackbox import errors, gates, geometry, metrics
+from blackbox import errors, gates, geometry, metrics, race
 from blackbox.client import Endpoint, gather_bounded
 from blackbox.config import RunConfig
 from blackbox.graders import Grades, grade
@@ -56,8 +56,8 @@ async def run(config: RunConfig, store: RunStore, progress: Progress | None = No
         return _finish(store, verdict, None, None, started, geo)
     finally:
         await asyncio.gather(*(e.aclose() for e in endpoints.values()))
-    grades = grade(history, config.grading)
-    verdict = merge([*role_findings, *gates.all_gates(history, config.grading), *grades.findings])
+    grades = grade(history, config.grading, config.probes)
+    verdict = merge([*role_findings, *gates.all_gates(history, config.grading, config.probes), *grades.findings])
     _write_replays(store, urls, history, verdict, config.api_key_env)
     return _finish(store, verdict, history, grades, started, geo)
 
@@ -81,23 +81,66 @@ async def _drive(
     geo = geometry.discover(before[Arm.TREATMENT], min(known) if known else None, config.block_size)
     store.write_json("geometry.json", geo.__dict__)
 
-    progress(0, config.conversations, f"sizing prompts (block {geo.block_size} tokens)")
-    plans = await gather_bounded(
-        config.concurrency * 2,
-        *(
-            plan_conversation(i, config.seed, config.shape, geo.block_size, geo.max_model_len, treatment.count_tokens)
-            for i in range(config.conversations)
-        ),
-    )
-    store.write_json("plans.json", [p.__dict__ for p in plans])
-
     salt = f"blackbox-{store.path.name}"
-    done = 0
 
     def record(e: Exchange) -> Exchange:
         store.record(e)
         # The raw body (logprobs as nested JSON) is on disk now; graders read the parsed tokens only.
         return dataclasses.replace(e, response=None)
+
+    plans: list[Plan] = []
+    exchanges: list[Exchange] = []
+    if "multiturn" in config.probes:
+        plans, found = await _multiturn(config, endpoints, geo, salt, record, progress)
+        exchanges.extend(found)
+        store.write_json("plans.json", [p.__dict__ for p in plans])
+    rounds: list[race.RaceRound] = []
+    budget: int | None = None
+    race_window: MetricsDelta | None = None
+    if "cold-race" in config.probes:
+        progress(0, 0, "cold race")
+        budget = config.max_num_batched_tokens
+        race_before = await _settle(treatment, config.settle_s)
+        found_race: list[Exchange] = []
+
+        def record_race(e: Exchange) -> Exchange:
+            found_race.append(record(e))
+            return found_race[-1]
+
+        rounds = await race.drive(
+            treatment, config.race, config.seed, geo.block_size, geo.max_model_len, salt, record_race
+        )
+        race_window = MetricsDelta(race_before, await _settle(treatment, config.settle_s))
+        await race.send_liveness(treatment, config.seed, geo.block_size, geo.max_model_len, salt, record_race)
+        exchanges.extend(found_race)
+        store.write_json("race.json", {"budget": budget, "rounds": [r.__dict__ for r in rounds]})
+    progress(len(plans), len(plans), "waiting for counters to settle")
+    after = {arm: await _settle(e, config.settle_s) for arm, e in endpoints.items()}
+    for arm, snap in after.items():
+        store.write_text(f"metrics/{arm}-after.prom", snap.text)
+    deltas = {arm: MetricsDelta(before[arm], after[arm]) for arm in endpoints}
+    history = History(geo.block_size, tuple(plans), tuple(exchanges), deltas, tuple(rounds), budget, race_window)
+    return history, geo, _roles(before)
+
+
+async def _multiturn(
+    config: RunConfig,
+    endpoints: Mapping[str, Endpoint],
+    geo: geometry.Geometry,
+    salt: str,
+    record: Callable[[Exchange], Exchange],
+    progress: Progress,
+) -> tuple[list[Plan], list[Exchange]]:
+    progress(0, config.conversations, f"sizing prompts (block {geo.block_size} tokens)")
+    count = endpoints[Arm.TREATMENT].count_tokens
+    plans = await gather_bounded(
+        config.concurrency * 2,
+        *(
+            plan_conversation(i, config.seed, config.shape, geo.block_size, geo.max_model_len, count)
+            for i in range(config.conversations)
+        ),
+    )
+    done = 0
 
     async def one(plan: Plan) -> list[Exchange]:
         nonlocal done
@@ -107,13 +150,7 @@ async def _drive(
         return out
 
     results = await gather_bounded(config.concurrency, *(one(p) for p in plans))
-    progress(done, len(plans), "waiting for counters to settle")
-    after = {arm: await _settle(e, config.settle_s) for arm, e in endpoints.items()}
-    for arm, snap in after.items():
-        store.write_text(f"metrics/{arm}-after.prom", snap.text)
-    deltas = {arm: MetricsDelta(before[arm], after[arm]) for arm in endpoints}
-    history = History(geo.block_size, tuple(plans), tuple(e for r in results for e in r), deltas)
-    return history, geo, _roles(before)
+    return list(plans), [e for r in results for e in r]
 
 
 async def _conversation(
@@ -195,9 +232,9 @@ def _write_replays(store: RunStore, urls: Mapping[str, str], history: History, v
     flagged: set[int] = set()
     for f in verdict.findings:
         for m in f.figures.get("mismatches", ()) or ():
-            flagged.add(int(m["conversation"]))
+            flagged.add(int(m.get("conversation", m.get("round", -1))))
         flagged.update(int(c) for c in f.figures.get("forward_flips", ()) or ())
-    flagged = flagged or {p.index for p in history.plans[:1]}
+    flagged = flagged or {p.index for p in history.plans[:1]} or {r.index for r in history.races[:1]}
     store.write_replays(urls, (e for e in history.exchanges if e.conversation in flagged), key_env)
 
 

@@ -6,8 +6,9 @@ A gate that fails turns the run UNKNOWN with its own class; a run that tested no
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
-from blackbox import errors, metrics
+from blackbox import errors, metrics, race
 from blackbox.config import Grading
 from blackbox.history import Arm, History, Kind
 from blackbox.verdict import Finding
@@ -164,11 +165,13 @@ def drafter_live(history: History) -> Finding:
     return Finding.passed("drafter-live", f"{drafts:g} drafts, {accepted:g} accepted tokens ({rates})", **figures)
 
 
-def all_gates(history: History, grading: Grading) -> list[Finding]:
-    return [
-        endpoints(history),
-        counters(history),
-        cache_live(history),
-        trigger(history, grading),
-        drafter_live(history),
-    ]
+def all_gates(history: History, grading: Grading, probes: Sequence[str] = ("multiturn",)) -> list[Finding]:
+    found = [endpoints(history), counters(history), cache_live(history)]
+    if "multiturn" in probes:
+        found += [trigger(history, grading), drafter_live(history)]
+    if "cold-race" in probes:
+        found += [
+            race.fragmentation(history, history.races, history.race_window, history.step_budget),
+            race.liveness(history),
+        ]
+    return found

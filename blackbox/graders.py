@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from blackbox import errors, stats
+from blackbox import errors, race, stats
 from blackbox.config import GRADERS, Grading
 from blackbox.gates import decode_region_hits
 from blackbox.history import Arm, Exchange, History, Kind, TokenLogprob
@@ -254,10 +254,15 @@ class Grades:
     not_used: tuple[tuple[str, str], ...]  # (grader, why) in auto mode
 
 
-def grade(history: History, grading: Grading) -> Grades:
-    chosen = grading.graders or GRADERS
+def grade(history: History, grading: Grading, probes: Sequence[str] = ("multiturn",)) -> Grades:
+    chosen = (grading.graders or GRADERS) if "multiturn" in probes else ()
     auto = not grading.graders
-    findings, used, not_used = [], [], []
+    findings: list[Finding] = []
+    used: list[str] = []
+    not_used: list[tuple[str, str]] = []
+    if "cold-race" in probes:
+        findings.append(race.race_exactness(history, history.races))
+        used.append("race-exactness")
     for name in chosen:
         crashed = False
         try:

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blackbox.metrics import MetricsDelta
+
+if TYPE_CHECKING:
+    from blackbox.race import RaceRound
 
 __all__ = ["Arm", "Exchange", "History", "Kind", "Plan", "TokenLogprob"]
 
@@ -109,6 +112,9 @@ class History:
     plans: tuple[Plan, ...]
     exchanges: tuple[Exchange, ...]
     deltas: Mapping[str, MetricsDelta] = field(default_factory=dict)  # arm -> settled /metrics delta
+    races: tuple[RaceRound, ...] = ()  # cold-race rounds, when that probe ran
+    step_budget: int | None = None  # the treatment's max_num_batched_tokens, when stated
+    race_window: MetricsDelta | None = None  # the treatment's counters over the cold race alone
 
     def get(self, conversation: int, arm: str, kind: str) -> Exchange | None:
         return self._index.get((conversation, arm, kind))
