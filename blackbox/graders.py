@@ -81,8 +81,8 @@ def exactness(history: History, grading: Grading) -> Finding:
         for conv, hit, fresh in _pairs(history, Arm.TREATMENT, hit_kind, fresh_kind):
             plan = history.plan(conv)
             cached = hit.cached_tokens or 0
-            if plan is None or not 0 < cached <= plan.turn1_prompt_tokens:
-                continue  # only hits that end in the prefill-written region carry the exactness promise
+            if plan is None or not 0 < cached <= plan.turn1_prompt_tokens or not hit.tokens or not fresh.tokens:
+                continue  # only prefill-region hits carry the promise; without logprobs equality is vacuous
             checked.append(conv)
             diff = _first_difference(hit.tokens, fresh.tokens)
             if diff is not None:

@@ -134,8 +134,9 @@ def race_exactness(history: History, rounds: tuple[RaceRound, ...]) -> Finding:
         fresh = history.get(r.index, Arm.TREATMENT, "race-fresh")
         answers = [history.get(r.index, Arm.TREATMENT, f"race-{j}") for j in range(r.racers)]
         answers.append(history.get(r.index, Arm.TREATMENT, "race-rehit"))
-        ok = [a for a in answers if a is not None and a.ok]
-        if fresh is None or not fresh.ok or not ok:
+        # Without logprobs two answers compare equal vacuously: such answers are no evidence.
+        ok = [a for a in answers if a is not None and a.ok and a.tokens]
+        if fresh is None or not fresh.ok or not fresh.tokens or not ok:
             continue
         distinct.append(len({tuple(t.token for t in a.tokens) for a in ok}))
         for a in ok:
@@ -174,6 +175,8 @@ def largest_step(window: MetricsDelta | None) -> float | None:
     if not buckets:
         return None
     total = buckets.get("+Inf", max(buckets.values()))
+    if total <= 0:  # no step counted in the window: its size is unknown, not the smallest bucket
+        return None
     bounds = sorted((float(le), n) for le, n in buckets.items() if le != "+Inf")
     return next((le for le, n in bounds if n >= total), float("inf"))
 
