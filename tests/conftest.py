@@ -6,19 +6,14 @@ here skips.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from engine_env import BASE_PORT, CACHE, ROOT
 
 from servers.launch import Fleet
 from servers.profiles import build_specs
-
-ROOT = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("BLACKBOX_CACHE", ROOT / ".blackbox-cache"))
-BASE_PORT = int(os.environ.get("BLACKBOX_TEST_PORT", "8170"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
