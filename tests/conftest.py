@@ -10,10 +10,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from engine_env import BASE_PORT, CACHE, ROOT
 
 from servers.launch import Fleet
 from servers.profiles import build_specs
+
+from engine_env import BASE_PORT, CACHE, ROOT
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import histories as h
 import pytest
 
 from blackbox import errors, gates, metrics
 from blackbox.config import Grading
 from blackbox.history import Arm, History, Kind
 from blackbox.verdict import Finding, Status, merge
+
+import histories as h
 
 GRADING = Grading()
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import histories as h
 import pytest
 
 from blackbox import errors, geometry, metrics
+
+import histories as h
 
 
 def test_block_size_comes_from_cache_config_info_not_the_stale_mamba_label() -> None:

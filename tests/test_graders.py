@@ -6,13 +6,14 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 
-import histories as h
 import pytest
 
 from blackbox import graders
 from blackbox.config import Grading
 from blackbox.history import Arm, Exchange, History, Kind, TokenLogprob
 from blackbox.verdict import Status, merge
+
+import histories as h
 
 GRADING = Grading()
 

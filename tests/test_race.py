@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-import histories as h
 import pytest
 
 from blackbox import errors, gates, graders, metrics, race
@@ -16,6 +15,8 @@ from blackbox.history import Arm, Exchange, History, Kind, TokenLogprob
 from blackbox.metrics import MetricsDelta
 from blackbox.race import RaceRound
 from blackbox.verdict import Finding, Status, merge
+
+import histories as h
 
 GRADING = Grading()
 R0 = race.FIRST_ROUND

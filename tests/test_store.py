@@ -11,11 +11,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import histories as h
 import pytest
 
 from blackbox.history import Arm, Exchange, Kind
 from blackbox.store import RunStore, curl_command, new_run_id
+
+import histories as h
 
 KEY_ENV = "BLACKBOX_API_KEY"
 
