@@ -261,8 +261,8 @@ def grade(history: History, grading: Grading, probes: Sequence[str] = ("multitur
     used: list[str] = []
     not_used: list[tuple[str, str]] = []
     if "cold-race" in probes:
-        findings.append(race.race_exactness(history, history.races))
-        used.append("race-exactness")
+        findings.append(race.race_divergence(history, history.races, grading.alpha, grading.hard_margin))
+        used.append("race-divergence")
     for name in chosen:
         crashed = False
         try:

@@ -20,7 +20,7 @@ from engine_env import BASE_PORT, CACHE
 CASES = {
     "eagle-overrun": ("cpu-tiny", "multiturn", {"logprob", "exactness"}),
     "stale-checkpoint": ("cpu-tiny", "multiturn", {"logprob", "exactness"}),
-    "chunk-end-as-boundary": ("cpu-tiny-fragmented", "cold-race", {"race-exactness"}),
+    "chunk-end-as-boundary": ("cpu-tiny-fragmented", "cold-race", {"race-divergence"}),
 }
 TREATMENT_PORT = BASE_PORT + 5  # the session's servers use BASE_PORT..BASE_PORT+2
 
