@@ -67,6 +67,22 @@ def summary(result: RunResult) -> str:
             f"  exactness       {ex.get('checked')} prefill-region hits, "
             f"{len(ex.get('mismatches', []))} differ from recomputation"
         )
+    rt, rd = _fig(by_check, "race-trigger"), _fig(by_check, "race-divergence")
+    if rt:
+        step = rt.get("largest_step_tokens") or 0
+        split = sum(1 for n in (rt.get("round_computed_tokens") or {}).values() if n > step)
+        lines.append(
+            f"  cold race       largest step {_fmt(step, 'g')} tokens; {split} rounds computed more; "
+            f"{len(rt.get('rounds_resumed') or [])} rounds' follow-ups resumed from race-written blocks"
+        )
+    if rd:
+        c, h = rd.get("cold_deviation") or {}, rd.get("hit_deviation") or {}
+        ps = ", ".join(f"{k} {p:.3g}" for k, p in (rd.get("p_values") or {}).items())
+        lines.append(
+            f"  race deviation  follow-ups median {_fmt(h.get('median_finite'))} (max {_fmt(h.get('max_finite'))}, "
+            f"{h.get('hard', 0)} hard) vs cold racers {_fmt(c.get('median_finite'))} (max {_fmt(c.get('max_finite'))})"
+            f"; mode {rd.get('mode', 'n/a')}" + (f"; {ps}" if ps else "")
+        )
     if result.grades:
         used = ", ".join(result.grades.used) or "none"
         lines.append(f"  graders         {used}")
