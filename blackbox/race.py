@@ -209,7 +209,8 @@ def race_divergence(history: History, rounds: Sequence[RaceRound], alpha: float,
     hard_x, hard_y = sum(v == float("inf") for v in x), sum(v == float("inf") for v in y)
     tests = [stats.mann_whitney_greater(x, y), stats.fisher_greater(hard_x, len(x) - hard_x, hard_y, len(y) - hard_y)]
     level = alpha / len(tests)
-    noise = max(y)
+    # The largest finite cold deviation: one confidently flipped cold racer must not hide every hard follow-up.
+    noise = max((v for v in y if v != float("inf")), default=0.0)
     figures |= {
         "mode": "noise",
         "p_values": {"deviation": tests[0].p_value, "hard divergences": tests[1].p_value},

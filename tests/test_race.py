@@ -1,5 +1,7 @@
-"""The cold-race probe's checkers on hand-built histories: exactness against recomputation, the fragmentation and
-liveness gates, the step size read from `vllm:iteration_tokens_total`, and how `--probe` picks gates and graders.
+"""The cold-race probe's checkers on hand-built histories: the deviation of one answer from its recomputation,
+race divergence (follow-ups that resumed from race-written blocks against the cold racers' chunking noise), the
+fragmentation and liveness gates, the step size read from `vllm:iteration_tokens_total`, and how `--probe` picks
+gates and graders.
 """
 
 from __future__ import annotations
@@ -19,25 +21,49 @@ from blackbox.verdict import Finding, Status, merge
 import histories as h
 
 GRADING = Grading()
+INF = float("inf")
 R0 = race.FIRST_ROUND
 RACERS = 4
+FOLLOWUPS = 2
 PROMPT = 40  # 2.5 blocks of 16: every racer's prompt
-REHIT_CACHED = 2 * h.BLOCK
-ANSWER = h.tokens(-0.1, -0.2, -0.3, words=["alpha", "bravo", "two"])
+FOLLOW_PROMPT = PROMPT + h.BLOCK + 12  # the prompt, a short answer and a block-long new question
+FOLLOW_CACHED = 2 * h.BLOCK  # a follow-up resumes from the two full blocks the race wrote
+WORDS = ["alpha", "bravo", "two"]
+ANSWER = h.tokens(-0.1, -0.2, -0.3, words=WORDS)  # every alternative 2 nats below: confident
+TIED = h.tokens(-0.1, -0.2, -0.3, words=WORDS, margin=0.5)  # the same answer, every position a near-tie
+FLIPPED = h.tokens(-0.1, -0.2, -0.3, words=["alpha", "bravo", "three"])  # parts from ANSWER at its last token
 BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # vLLM's iteration_tokens buckets, trimmed
 EARLIER = (2000, 700, 40, 1)  # steps taken before the race window opened (the multiturn probe, warm-up)
 RACE_GATES = ["endpoints", "counters", "cache-live", "race-trigger", "race-liveness"]
 MULTITURN_GATES = ["endpoints", "counters", "cache-live", "trigger", "drafter-live"]
 
+# Deviations from recomputation, in nats: the cold racers' chunking noise (3 rounds of 8), follow-ups far above it
+# and follow-ups inside it (3 rounds of 3).
+COLD = tuple(0.01 + 0.05 * (i % 8) / 7 for i in range(24))  # 0.01 .. 0.06
+FAR = tuple(0.3 + 0.3 * i / 8 for i in range(9))  # 0.3 .. 0.6
+NEAR = tuple(0.01 + 0.05 * i / 8 for i in range(9))  # 0.01 .. 0.06
+
 # A treatment whose cache hits but which has no drafter: the multiturn drafter gate would fail on it.
 NO_DRAFTER = h.live_delta(DRAFTS=None, DRAFT_TOKENS=None, ACCEPTED=None, ACCEPTED_PER_POS=None)
+
+Answer = float | Sequence[TokenLogprob]
 
 
 # --- builders -----------------------------------------------------------------------------------------------
 
 
-def kinds(racers: int = RACERS) -> list[str]:
-    return [*(f"race-{j}" for j in range(racers)), "race-rehit", "race-fresh"]
+def shifted(d: float) -> tuple[TokenLogprob, ...]:
+    """ANSWER with its first chosen logprob moved down by `d` nats: the same tokens, deviation `d`."""
+    return h.tokens(-0.1 - d, -0.2, -0.3, words=WORDS)
+
+
+def as_tokens(a: Answer) -> Sequence[TokenLogprob]:
+    return shifted(a) if isinstance(a, float) else a
+
+
+def kinds(racers: int = RACERS, followups: int = FOLLOWUPS) -> list[str]:
+    follow = [k for f in range(followups) for k in (f"follow-{f}", f"follow-{f}-fresh")]
+    return [*(f"race-{j}" for j in range(racers)), "race-fresh", *follow]
 
 
 def answer(
@@ -57,35 +83,42 @@ def round_exchanges(
     index: int,
     *,
     racers: int = RACERS,
+    followups: int = FOLLOWUPS,
     prompt: int = PROMPT,
     toks: Mapping[str, Sequence[TokenLogprob]] | None = None,
     cached: Mapping[str, int | None] | None = None,
     failed: Sequence[str] = (),
     drop: Sequence[str] = (),
 ) -> list[Exchange]:
-    """The racers, the re-hit and the recomputation of one round, all answering ANSWER; `toks` and `cached` map a
-    kind to its own tokens or cached_tokens, `failed` kinds carry an error, `drop` kinds were never recorded."""
+    """One round: cold racers, the recomputation, and follow-ups that hit FOLLOW_CACHED tokens with their own
+    recomputations, all answering ANSWER. `toks` and `cached` map a kind to its own tokens or cached_tokens,
+    `failed` kinds carry an error, `drop` kinds were never recorded."""
     toks, cached = toks or {}, cached or {}
     out = []
-    for kind in kinds(racers):
+    for kind in kinds(racers, followups):
         if kind in drop:
             continue
-        default_cached = REHIT_CACHED if kind == "race-rehit" else 0
+        follow = kind.startswith("follow-")
+        resumed = follow and not kind.endswith("-fresh")
         out.append(
             answer(
                 index,
                 kind,
                 toks.get(kind, ANSWER),
-                prompt=prompt,
-                cached=cached.get(kind, default_cached),
+                prompt=FOLLOW_PROMPT if follow else prompt,
+                cached=cached.get(kind, FOLLOW_CACHED if resumed else 0),
                 error="HTTP 500: engine error" if kind in failed else None,
             )
         )
     return out
 
 
-def rnd(index: int, *, racers: int = RACERS, prompt: int = PROMPT) -> RaceRound:
-    return RaceRound(index, 2.5, prompt, racers)
+def uncached_followups(followups: int = FOLLOWUPS) -> dict[str, int | None]:
+    return {f"follow-{f}": 0 for f in range(followups)}
+
+
+def rnd(index: int, *, racers: int = RACERS, followups: int = FOLLOWUPS, prompt: int = PROMPT) -> RaceRound:
+    return RaceRound(index, 2.5, prompt, racers, followups)
 
 
 def liveness_pair(cached: int | None = 3 * h.BLOCK, *, error: str | None = None) -> list[Exchange]:
@@ -139,7 +172,8 @@ def race_history(
 
 
 def healthy_race(n: int = 2, **changes: object) -> History:
-    """n clean rounds of RACERS x PROMPT = 160 cold tokens, steps of at most 128 tokens, and a live cache."""
+    """n clean rounds of RACERS x PROMPT = 160 cold tokens whose follow-ups resumed, steps of at most 128 tokens,
+    and a live cache; every answer identical to its recomputation."""
     exchanges = [e for i in range(n) for e in round_exchanges(R0 + i)]
     fields: dict[str, object] = {"race_window": window(128, 128, 32, 16, 8)}
     fields.update(changes)
@@ -147,8 +181,42 @@ def healthy_race(n: int = 2, **changes: object) -> History:
     return dataclasses.replace(history, **fields)
 
 
-def exactness(history: History) -> Finding:
-    return race.race_exactness(history, history.races)
+def with_rounds(history: History, *rounds: Sequence[Exchange]) -> History:
+    """`history` with its race answers replaced by `rounds` (the liveness pair kept)."""
+    liveness = [e for e in history.exchanges if e.conversation == race.LIVENESS]
+    return dataclasses.replace(history, exchanges=(*(e for r in rounds for e in r), *liveness))
+
+
+def deviating_race(
+    cold: Sequence[Answer],
+    hits: Sequence[Answer],
+    *,
+    racers: int = 8,
+    followups: int = 3,
+    follow_fresh: Sequence[TokenLogprob] = ANSWER,
+) -> History:
+    """Rounds of `racers` cold racers and `followups` resumed follow-ups. Racer i (round-major) answers cold[i] and
+    follow-up i hits[i], a float meaning ANSWER shifted by it; race-fresh answers ANSWER, every follow-up's
+    recomputation `follow_fresh`."""
+    n = len(cold) // racers
+    assert n * racers == len(cold) and n * followups == len(hits), "whole rounds only"
+    exchanges: list[Exchange] = []
+    for i in range(n):
+        toks = {f"race-{j}": as_tokens(cold[i * racers + j]) for j in range(racers)}
+        toks |= {f"follow-{f}": as_tokens(hits[i * followups + f]) for f in range(followups)}
+        toks |= {f"follow-{f}-fresh": follow_fresh for f in range(followups)}
+        exchanges += round_exchanges(R0 + i, racers=racers, followups=followups, toks=toks)
+    rounds = [rnd(R0 + i, racers=racers, followups=followups) for i in range(n)]
+    return race_history([*exchanges, *liveness_pair()], rounds, race_window=window(128, 128, 32))
+
+
+def followup_ids(which: Sequence[int], followups: int = 3) -> list[dict[str, object]]:
+    """The mismatch entries of follow-ups `which`, numbered round-major as in `deviating_race`."""
+    return [{"round": R0 + i // followups, "kind": f"follow-{i % followups}"} for i in which]
+
+
+def divergence(history: History, *, alpha: float = GRADING.alpha, hard_margin: float = GRADING.hard_margin) -> Finding:
+    return race.race_divergence(history, history.races, alpha, hard_margin)
 
 
 def fragmentation(history: History) -> Finding:
@@ -161,125 +229,327 @@ def assert_unknown(finding: Finding, error: type[errors.BlackboxError]) -> None:
     assert merge([finding]).exit_code == error.exit_code
 
 
-# --- race_exactness -----------------------------------------------------------------------------------------
+def assert_corruption(finding: Finding) -> None:
+    assert finding.status is Status.FAIL, finding.reason
+    assert finding.check == "race-divergence"
+    assert finding.error_class == "CorruptionDetected"
+    assert "replay/" in finding.hint
+    assert merge([finding]).exit_code == errors.CorruptionDetected.exit_code
 
 
-def test_racers_and_rehit_identical_to_recomputation_pass() -> None:
-    finding = exactness(healthy_race(3))
+# --- deviation ----------------------------------------------------------------------------------------------
+
+
+def test_identical_answers_deviate_by_nothing() -> None:
+    assert race.deviation(ANSWER, ANSWER, 1.0) == 0.0
+    assert race.deviation(TIED, TIED, 1.0) == 0.0
+
+
+def test_the_deviation_is_the_largest_logprob_gap() -> None:
+    fresh = h.tokens(-0.1, -0.2, -0.35, -0.4, words=["a", "b", "c", "d"])
+    other = h.tokens(-0.15, -0.5, -0.3, -0.4, words=["a", "b", "c", "d"])
+    assert race.deviation(other, fresh, 1.0) == pytest.approx(0.3)
+    assert race.deviation(fresh, other, 1.0) == pytest.approx(0.3)  # |Δ|: either side may be lower
+
+
+def test_only_the_chosen_logprobs_count() -> None:
+    # An alternative's logprob moving is not a deviation (exact mode still tells the answers apart).
+    assert race.deviation(h.tokens(-0.1, -0.2, -0.3, words=WORDS, margin=2.5), ANSWER, 1.0) == 0.0
+
+
+def test_a_near_tie_flip_ends_the_comparison_at_the_gap_so_far() -> None:
+    fresh = h.tokens(-0.1, -0.2, -0.3, -0.4, words=["a", "b", "c", "d"], margin=0.5)
+    other = h.tokens(-0.15, -0.3, -5.0, -9.0, words=["a", "b", "x", "d"])  # the gaps after the flip are not counted
+    assert race.deviation(other, fresh, 1.0) == pytest.approx(0.1)
+
+
+def test_a_near_tie_flip_at_the_first_token_deviates_by_nothing() -> None:
+    fresh = h.tokens(-0.6, -0.2, words=["a", "b"], margin=0.1)
+    assert race.deviation(h.tokens(-0.7, -0.2, words=["x", "b"]), fresh, 1.0) == 0.0
+
+
+def test_a_near_tie_flip_forgives_the_lengths_parting_after_it() -> None:
+    fresh = h.tokens(-0.1, -0.2, -0.3, words=WORDS, margin=0.5)
+    shorter = h.tokens(-0.12, -0.2, words=["alpha", "charlie"])
+    assert race.deviation(shorter, fresh, 1.0) == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("margin", [1.0, 2.0, 7.5])
+def test_a_flip_where_recomputation_was_sure_is_infinite(margin: float) -> None:
+    fresh = h.tokens(-0.5, -0.5, words=["a", "b"], margin=margin)  # margin exactly representable: 1.0 is >= 1.0
+    assert fresh[1].margin == margin
+    assert race.deviation(h.tokens(-0.5, -0.5, words=["a", "x"]), fresh, 1.0) == INF
+
+
+def test_the_hard_margin_decides_what_a_confident_flip_is() -> None:
+    assert race.deviation(FLIPPED, ANSWER, 1.0) == INF  # ANSWER's margins are 2 nats
+    assert race.deviation(FLIPPED, ANSWER, 2.5) == 0.0
+    assert race.deviation(FLIPPED, TIED, 1.0) == 0.0  # TIED's are 0.5
+
+
+@pytest.mark.parametrize(
+    "other",
+    [h.tokens(-0.1, -0.2, words=WORDS[:2]), h.tokens(-0.1, -0.2, -0.3, -0.4, words=[*WORDS, "more"])],
+    ids=["shorter", "longer"],
+)
+def test_answers_of_different_lengths_deviate_infinitely(other: tuple[TokenLogprob, ...]) -> None:
+    assert race.deviation(other, ANSWER, 1.0) == INF
+    assert race.deviation(ANSWER, other, 1.0) == INF
+
+
+# --- race_divergence: exact mode ----------------------------------------------------------------------------
+
+
+def test_everything_identical_to_recomputation_passes_in_exact_mode() -> None:
+    finding = divergence(healthy_race(3))
     assert finding.status is Status.PASS, finding.reason
-    assert finding.check == "race-exactness"
-    assert finding.figures["distinct_outputs_per_round"] == [1, 1, 1]
-    assert finding.figures["checked"] == 3 * (RACERS + 1)
+    assert finding.check == "race-divergence"
+    assert finding.figures["mode"] == "exact"
+    assert finding.figures["cold"] == finding.figures["cold_identical"] == 3 * RACERS
+    assert finding.figures["hits"] == finding.figures["hit_identical"] == 3 * FOLLOWUPS
     assert finding.figures["mismatches"] == []
+    assert finding.figures["hit_deviation"] == {"n": 6, "hard": 0, "median_finite": 0.0, "max_finite": 0.0}
     assert merge([finding]).exit_code == 0
 
 
 @pytest.mark.parametrize(
     "toks",
     [
-        h.tokens(-0.1, -0.2000001, -0.3, words=["alpha", "bravo", "two"]),  # the chosen token's logprob
-        h.tokens(-0.1, -0.2, -0.3, words=["alpha", "bravo", "two"], margin=2.0001),  # an alternative's logprob
+        shifted(1e-7),  # the chosen token's logprob
+        h.tokens(-0.1, -0.2, -0.3, words=WORDS, margin=2.0001),  # an alternative's logprob only: deviation 0
+        h.tokens(-0.1, -0.2, -0.3, words=["alpha", "bravo", "three"]),  # a token
+        h.tokens(-0.1, -0.2, words=WORDS[:2]),  # shorter
     ],
-    ids=["chosen-logprob", "top-logprob"],
+    ids=["chosen-logprob", "top-logprob", "token", "length"],
 )
-def test_one_racer_with_one_logprob_differing_is_corruption(toks: tuple[TokenLogprob, ...]) -> None:
-    history = healthy_race(2)
-    bad = round_exchanges(R0 + 1, toks={"race-2": toks}, cached={"race-2": 16})
-    history = dataclasses.replace(history, exchanges=(*round_exchanges(R0), *bad, *liveness_pair()))
-    finding = exactness(history)
-    assert finding.status is Status.FAIL
-    assert finding.error_class == "CorruptionDetected"
-    assert f"rounds [{R0 + 1}]" in finding.reason
-    assert "1 of 10" in finding.reason
-    assert finding.figures["mismatches"] == [{"round": R0 + 1, "kind": "race-2", "cached_tokens": 16}]
-    assert finding.figures["distinct_outputs_per_round"] == [1, 1]  # same tokens, so one distinct output
-    assert merge([finding]).exit_code == errors.CorruptionDetected.exit_code
+def test_one_followup_differing_while_cold_racers_are_exact_is_corruption(toks: tuple[TokenLogprob, ...]) -> None:
+    history = healthy_race(3)
+    history = with_rounds(
+        history, round_exchanges(R0), round_exchanges(R0 + 1, toks={"follow-1": toks}), round_exchanges(R0 + 2)
+    )
+    finding = divergence(history)
+    assert_corruption(finding)
+    assert finding.figures["mode"] == "exact"
+    assert finding.figures["mismatches"] == [{"round": R0 + 1, "kind": "follow-1"}]
+    assert finding.figures["hit_identical"] == 3 * FOLLOWUPS - 1
+    assert "1 of 6 follow-ups" in finding.reason
+    assert f"all {3 * RACERS} cold racers match it bit for bit" in finding.reason
 
 
 def test_a_logprob_differing_without_alternatives_listed_is_corruption() -> None:
     bare = tuple(TokenLogprob(t.token, t.logprob) for t in ANSWER)  # top_logprobs not returned
     other = (bare[0], TokenLogprob("bravo", -0.2000001), bare[2])
-    toks = {kind: bare for kind in kinds()} | {"race-1": other}
-    finding = exactness(race_history(round_exchanges(R0, toks=toks), [rnd(R0)]))
-    assert finding.status is Status.FAIL
-    assert [m["kind"] for m in finding.figures["mismatches"]] == ["race-1"]
+    toks = {kind: bare for kind in kinds()} | {"follow-0": other}
+    finding = divergence(race_history(round_exchanges(R0, toks=toks), [rnd(R0)]))
+    assert_corruption(finding)
+    assert finding.figures["mismatches"] == [{"round": R0, "kind": "follow-0"}]
 
 
-def test_a_racer_with_a_different_token_is_corruption_and_a_second_distinct_output() -> None:
-    other = h.tokens(-0.1, -0.2, -0.3, words=["alpha", "bravo", "three"])
-    exchanges = [*round_exchanges(R0), *round_exchanges(R0 + 1, toks={"race-0": other})]
-    finding = exactness(race_history(exchanges, [rnd(R0), rnd(R0 + 1)]))
-    assert finding.status is Status.FAIL
-    assert finding.error_class == "CorruptionDetected"
-    assert f"rounds [{R0 + 1}]" in finding.reason
-    assert finding.figures["distinct_outputs_per_round"] == [1, 2]
-    assert [m["kind"] for m in finding.figures["mismatches"]] == ["race-0"]
+def test_a_followup_is_judged_against_its_own_recomputation() -> None:
+    # follow-0 and its recomputation agree, and both differ from race-fresh: no finding.
+    toks = {"follow-0": FLIPPED, "follow-0-fresh": FLIPPED}
+    assert divergence(race_history(round_exchanges(R0, toks=toks), [rnd(R0)])).status is Status.PASS
+    # follow-0 agrees with race-fresh but not with its own recomputation: corruption.
+    finding = divergence(race_history(round_exchanges(R0, toks={"follow-0-fresh": FLIPPED}), [rnd(R0)]))
+    assert_corruption(finding)
+    assert finding.figures["mismatches"] == [{"round": R0, "kind": "follow-0"}]
 
 
-def test_a_rehit_differing_from_recomputation_is_corruption() -> None:
-    other = h.tokens(-0.1, -0.2, words=["alpha", "bravo"])  # also shorter
-    finding = exactness(race_history(round_exchanges(R0, toks={"race-rehit": other}), [rnd(R0)]))
-    assert finding.status is Status.FAIL
-    assert finding.figures["mismatches"] == [{"round": R0, "kind": "race-rehit", "cached_tokens": REHIT_CACHED}]
-    assert finding.figures["distinct_outputs_per_round"] == [2]
+def test_one_inexact_cold_racer_switches_to_noise_mode() -> None:
+    # A follow-up off by 1e-7 fails exact mode; racers that are themselves off by up to 0.06 make it noise.
+    follow = {"follow-0": shifted(1e-7)}
+    exact = divergence(race_history(round_exchanges(R0, toks=follow), [rnd(R0)]))
+    assert_corruption(exact)
+    noisy = divergence(race_history(round_exchanges(R0, toks=follow | {"race-2": shifted(0.06)}), [rnd(R0)]))
+    assert noisy.status is Status.PASS, noisy.reason
+    assert noisy.figures["mode"] == "noise"
+    assert noisy.figures["cold_identical"] == RACERS - 1
+    assert noisy.figures["cold_deviation"]["max_finite"] == pytest.approx(0.06)
 
 
-def test_racers_agreeing_with_each_other_but_not_with_recomputation_are_corruption() -> None:
-    fresh = h.tokens(-0.1, -0.2, -0.3, words=["alpha", "charlie", "two"])
-    finding = exactness(race_history(round_exchanges(R0, toks={"race-fresh": fresh}), [rnd(R0)]))
-    assert finding.status is Status.FAIL
-    assert finding.figures["distinct_outputs_per_round"] == [1]
-    assert len(finding.figures["mismatches"]) == RACERS + 1
+# --- race_divergence: noise mode ----------------------------------------------------------------------------
+
+
+def test_followups_deviating_beyond_the_cold_racers_noise_are_corruption() -> None:
+    finding = divergence(deviating_race(COLD, FAR))
+    assert_corruption(finding)
+    figures = finding.figures
+    assert figures["mode"] == "noise"
+    assert (figures["cold"], figures["hits"]) == (24, 9)
+    assert (figures["cold_identical"], figures["hit_identical"]) == (0, 0)
+    assert figures["alpha_per_test"] == pytest.approx(GRADING.alpha / 2)
+    assert figures["p_values"]["deviation"] < figures["alpha_per_test"]
+    assert figures["p_values"]["hard divergences"] == 1.0
+    assert figures["mismatches"] == followup_ids(range(9))
+    assert figures["cold_deviation"]["max_finite"] == pytest.approx(0.06)
+    assert figures["hit_deviation"]["max_finite"] == pytest.approx(0.6)
+    assert "hard divergences 0/9 vs 0/24" in finding.reason
+
+
+def test_followups_within_the_cold_racers_noise_pass() -> None:
+    finding = divergence(deviating_race(COLD, NEAR))
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["mode"] == "noise"
+    assert finding.figures["p_values"]["deviation"] >= finding.figures["alpha_per_test"]
+    assert finding.figures["mismatches"] == []
+    assert "9 follow-ups within the 24 cold racers' chunking noise" in finding.reason
+
+
+def test_followups_at_the_cold_racers_level_pass() -> None:
+    # Same distribution, round for round: no tendency to exceed it.
+    finding = divergence(deviating_race(COLD, COLD, followups=8))
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["p_values"]["deviation"] > 0.1
+
+
+def test_the_deviation_test_runs_at_half_alpha() -> None:
+    history = deviating_race(COLD, FAR)
+    p = divergence(history).figures["p_values"]["deviation"]
+    assert divergence(history, alpha=2.1 * p).status is Status.FAIL
+    strict = divergence(history, alpha=1.9 * p)
+    assert strict.status is Status.PASS, strict.reason
+    assert strict.figures["alpha_per_test"] == pytest.approx(0.95 * p)
+
+
+# 4 rounds of 8 cold racers (0.01 .. 0.06) and of 4 follow-ups: 6 confident flips, the rest identical. The flips
+# rank above every racer but the identical ten below them all, so ranks alone see nothing.
+FISHER_COLD = tuple(0.01 + 0.05 * (i % 8) / 7 for i in range(32))
+FISHER_HITS: tuple[Answer, ...] = (*(FLIPPED,) * 6, *(0.0,) * 10)
+
+
+def test_confident_flips_in_followups_only_are_corruption_through_the_fisher_test() -> None:
+    finding = divergence(deviating_race(FISHER_COLD, FISHER_HITS, followups=4))
+    assert_corruption(finding)
+    p, level = finding.figures["p_values"], finding.figures["alpha_per_test"]
+    assert p["deviation"] >= level  # the rank test alone would pass this
+    assert p["hard divergences"] < level
+    assert finding.figures["hit_deviation"]["hard"] == 6
+    assert finding.figures["cold_deviation"]["hard"] == 0
+    assert finding.figures["mismatches"] == followup_ids(range(6), followups=4)
+    assert "hard divergences 6/16 vs 0/32" in finding.reason
+
+
+def test_near_tie_flips_in_followups_are_noise() -> None:
+    # The same flips where recomputation hesitated (margin 0.5 < hard_margin 1): no hard divergence.
+    finding = divergence(deviating_race(FISHER_COLD, FISHER_HITS, followups=4, follow_fresh=TIED))
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["hit_deviation"]["hard"] == 0
+    # and under a hard margin above ANSWER's 2 nats the confident flips are near-ties too
+    relaxed = divergence(deviating_race(FISHER_COLD, FISHER_HITS, followups=4), hard_margin=2.5)
+    assert relaxed.status is Status.PASS, relaxed.reason
+
+
+def test_confident_flips_as_frequent_among_cold_racers_pass() -> None:
+    cold = (*(FLIPPED,) * 12, *FISHER_COLD[12:])
+    finding = divergence(deviating_race(cold, FISHER_HITS, followups=4))
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["cold_deviation"]["hard"] == 12
+    assert finding.figures["p_values"]["hard divergences"] >= finding.figures["alpha_per_test"]
+
+
+def test_confident_flips_are_listed_even_when_a_cold_racer_flipped_too() -> None:
+    cold = (FLIPPED, *FISHER_COLD[1:])
+    hits: tuple[Answer, ...] = (*(FLIPPED,) * 10, *(0.0,) * 6)
+    finding = divergence(deviating_race(cold, hits, followups=4))
+    assert_corruption(finding)
+    assert "hard divergences 10/16 vs 1/32" in finding.reason
+    # the hint says to replay the listed rounds: the flipped follow-ups must be listed
+    assert finding.figures["mismatches"] == followup_ids(range(10), followups=4)
+
+
+# --- race_divergence: what counts as evidence ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cached", [0, None], ids=["zero", "not-reported"])
+def test_followups_that_did_not_hit_are_not_counted(cached: int | None) -> None:
+    # follow-0 differs from its recomputation, but resumed from nothing: it says nothing about race-written blocks.
+    bad = round_exchanges(R0 + 1, toks={"follow-0": FLIPPED}, cached={"follow-0": cached})
+    finding = divergence(with_rounds(healthy_race(2), round_exchanges(R0), bad))
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["hits"] == 2 * FOLLOWUPS - 1
+
+
+def test_racers_that_hit_are_not_cold() -> None:
+    # race-0 resumed from a block another racer wrote and moved by 0.5: were it calibration, follow-1's 0.3 would
+    # sit inside the noise; it is not, so the other racers are exact and follow-1 is corruption.
+    toks = {"race-0": shifted(0.5), "follow-1": shifted(0.3)}
+    finding = divergence(race_history(round_exchanges(R0, toks=toks, cached={"race-0": h.BLOCK}), [rnd(R0)]))
+    assert_corruption(finding)
+    assert finding.figures["mode"] == "exact"
+    assert finding.figures["cold"] == RACERS - 1
+    assert finding.figures["mismatches"] == [{"round": R0, "kind": "follow-1"}]
+
+
+@pytest.mark.parametrize("how", ["no-logprobs", "failed", "missing"])
+@pytest.mark.parametrize("kind", ["follow-0", "follow-0-fresh"])
+def test_followups_without_a_comparable_pair_are_not_evidence(kind: str, how: str) -> None:
+    toks = {"follow-0": FLIPPED} | ({kind: ()} if how == "no-logprobs" else {})
+    exchanges = round_exchanges(
+        R0,
+        toks=toks,
+        failed=(kind,) if how == "failed" else (),
+        drop=(kind,) if how == "missing" else (),
+    )
+    finding = divergence(race_history(exchanges, [rnd(R0)]))
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["hits"] == FOLLOWUPS - 1
+
+
+@pytest.mark.parametrize("how", ["no-logprobs", "failed", "missing"])
+def test_racers_without_a_comparable_pair_are_not_calibration(how: str) -> None:
+    # race-1 would put the race in noise mode (and so let follow-0's 1e-7 pass) if it were compared.
+    toks = {"race-1": shifted(0.5) if how != "no-logprobs" else (), "follow-0": shifted(1e-7)}
+    exchanges = round_exchanges(
+        R0, toks=toks, failed=("race-1",) if how == "failed" else (), drop=("race-1",) if how == "missing" else ()
+    )
+    finding = divergence(race_history(exchanges, [rnd(R0)]))
+    assert_corruption(finding)
+    assert finding.figures["cold"] == RACERS - 1
+
+
+@pytest.mark.parametrize("how", ["no-logprobs", "failed", "missing"])
+def test_a_round_without_its_recomputation_calibrates_nothing(how: str) -> None:
+    toks = {"race-1": shifted(0.5), "follow-0": shifted(1e-7)} | ({"race-fresh": ()} if how == "no-logprobs" else {})
+    first = round_exchanges(
+        R0,
+        toks=toks,
+        failed=("race-fresh",) if how == "failed" else (),
+        drop=("race-fresh",) if how == "missing" else (),
+    )
+    finding = divergence(with_rounds(healthy_race(2), first, round_exchanges(R0 + 1)))
+    assert_corruption(finding)  # round R0's racers are not compared, so R0+1's exact racers set the mode
+    assert finding.figures["cold"] == RACERS
+    assert finding.figures["hits"] == 2 * FOLLOWUPS
 
 
 def test_no_rounds_is_no_evidence() -> None:
-    history = race_history(round_exchanges(R0), [])  # answers recorded, but no round says where to look
-    finding = exactness(history)
+    finding = divergence(race_history(round_exchanges(R0, toks={"follow-0": FLIPPED}), []))
     assert_unknown(finding, errors.NoEvidence)
-    assert "no cold-race round ran" in finding.reason
+    assert "0 follow-ups resumed from race-written blocks, 0 cold racers" in finding.reason
 
 
-@pytest.mark.parametrize("how", ["missing", "failed"])
-def test_rounds_without_a_recomputation_are_no_evidence(how: str) -> None:
-    other = h.tokens(-9.0, words=["zulu"])
+def test_no_followup_hits_is_no_evidence() -> None:
     exchanges = [
-        e
-        for i in range(2)
-        for e in round_exchanges(
-            R0 + i,
-            toks={"race-1": other},  # would be corruption if anything were compared
-            drop=("race-fresh",) if how == "missing" else (),
-            failed=("race-fresh",) if how == "failed" else (),
-        )
+        e for i in range(2) for e in round_exchanges(R0 + i, toks={"follow-1": FLIPPED}, cached=uncached_followups())
     ]
-    finding = exactness(race_history(exchanges, [rnd(R0), rnd(R0 + 1)]))
+    finding = divergence(race_history(exchanges, [rnd(R0), rnd(R0 + 1)]))
     assert_unknown(finding, errors.NoEvidence)
-    assert "no race round has a recomputation" in finding.reason
+    assert (finding.figures["hits"], finding.figures["cold"]) == (0, 2 * RACERS)
+    assert f"0 follow-ups resumed from race-written blocks, {2 * RACERS} cold racers" in finding.reason
 
 
-def test_a_round_without_a_recomputation_is_skipped_and_the_others_judged() -> None:
-    other = h.tokens(-9.0, words=["zulu"])
-    exchanges = [*round_exchanges(R0, toks={"race-1": other}, drop=("race-fresh",)), *round_exchanges(R0 + 1)]
-    finding = exactness(race_history(exchanges, [rnd(R0), rnd(R0 + 1)]))
-    assert finding.status is Status.PASS, finding.reason
-    assert finding.figures["checked"] == RACERS + 1
-    assert finding.figures["distinct_outputs_per_round"] == [1]
+def test_no_cold_racers_is_no_evidence() -> None:
+    cached = {f"race-{j}": h.BLOCK for j in range(RACERS)}
+    finding = divergence(race_history(round_exchanges(R0, toks={"follow-1": FLIPPED}, cached=cached), [rnd(R0)]))
+    assert_unknown(finding, errors.NoEvidence)
+    assert (finding.figures["hits"], finding.figures["cold"]) == (FOLLOWUPS, 0)
 
 
-def test_failed_exchanges_are_not_compared() -> None:
-    other = h.tokens(-9.0, words=["zulu"])
-    exchanges = round_exchanges(
-        R0, toks={"race-3": other, "race-rehit": other}, failed=("race-3", "race-rehit"), drop=("race-1",)
-    )
-    finding = exactness(race_history(exchanges, [rnd(R0)]))
-    assert finding.status is Status.PASS, finding.reason
-    assert finding.figures["checked"] == RACERS - 2  # race-0 and race-2
-    assert finding.figures["distinct_outputs_per_round"] == [1]
-
-
-def test_a_round_whose_every_answer_failed_is_no_evidence() -> None:
-    exchanges = round_exchanges(R0, failed=[k for k in kinds() if k != "race-fresh"])
-    assert_unknown(exactness(race_history(exchanges, [rnd(R0)])), errors.NoEvidence)
+def test_answers_without_logprobs_are_no_evidence() -> None:
+    toks: dict[str, Sequence[TokenLogprob]] = {kind: () for kind in kinds()}
+    finding = divergence(race_history(round_exchanges(R0, toks=toks), [rnd(R0)]))
+    assert_unknown(finding, errors.NoEvidence)
+    assert (finding.figures["hits"], finding.figures["cold"]) == (0, 0)
 
 
 # --- largest_step -------------------------------------------------------------------------------------------
@@ -300,7 +570,7 @@ def test_one_step_in_the_512_bucket_gives_512() -> None:
 
 
 def test_a_step_above_every_finite_bucket_gives_infinity() -> None:
-    assert race.largest_step(window(5000, 16)) == float("inf")
+    assert race.largest_step(window(5000, 16)) == INF
 
 
 def test_steps_of_every_engine_count() -> None:
@@ -325,29 +595,69 @@ def test_an_empty_histogram_does_not_prove_fragmentation() -> None:
 # --- fragmentation ------------------------------------------------------------------------------------------
 
 
-def test_rounds_computing_more_than_the_largest_step_pass() -> None:
+def test_fragmented_rounds_whose_followups_resumed_pass() -> None:
     finding = fragmentation(healthy_race(2))
     assert finding.status is Status.PASS, finding.reason
     assert finding.check == "race-trigger"
     assert finding.figures["largest_step_tokens"] == 128
     assert finding.figures["stated_budget"] is None
-    # the racers' cold tokens only: neither the re-hit nor the recomputation counts
+    # the racers' cold tokens only: neither the follow-ups nor the recomputations count
     assert finding.figures["round_computed_tokens"] == {R0: RACERS * PROMPT, R0 + 1: RACERS * PROMPT}
+    assert finding.figures["rounds_resumed"] == [R0, R0 + 1]
     assert "2 of 2 rounds" in finding.reason
+
+
+@pytest.mark.parametrize("how", ["zero", "not-reported", "failed", "missing"])
+def test_fragmented_rounds_whose_followups_did_not_resume_are_trigger_not_exercised(how: str) -> None:
+    follow = [f"follow-{f}" for f in range(FOLLOWUPS)]
+    cached = {k: 0 if how == "zero" else None for k in follow} if how in ("zero", "not-reported") else None
+    rounds = [
+        round_exchanges(
+            R0 + i, cached=cached, failed=follow if how == "failed" else (), drop=follow if how == "missing" else ()
+        )
+        for i in range(2)
+    ]
+    finding = fragmentation(with_rounds(healthy_race(2), *rounds))
+    assert_unknown(finding, errors.TriggerNotExercised)
+    assert finding.figures["rounds_resumed"] == []
+    assert finding.figures["round_computed_tokens"] == {R0: RACERS * PROMPT, R0 + 1: RACERS * PROMPT}
+    assert "no follow-up resumed from a block written by a fragmented race round" in finding.reason
+    assert "--racers" in finding.hint
+
+
+def test_followups_resuming_only_in_a_round_that_was_not_split_are_trigger_not_exercised() -> None:
+    whole = round_exchanges(R0, prompt=16)  # 64 cold tokens: one step; its follow-ups resumed
+    split = round_exchanges(R0 + 1, cached=uncached_followups())  # 160: split; its follow-ups did not resume
+    finding = fragmentation(with_rounds(healthy_race(2), whole, split))
+    assert_unknown(finding, errors.TriggerNotExercised)
+    assert finding.figures["rounds_resumed"] == [R0]
+    assert f"fragmented [{R0 + 1}], resumed [{R0}]" in finding.reason
+
+
+def test_one_followup_resuming_from_one_fragmented_round_is_enough() -> None:
+    resumed = round_exchanges(R0, cached={"follow-0": 0})  # follow-1 alone hit
+    idle = round_exchanges(R0 + 1, prompt=16, cached=uncached_followups())
+    finding = fragmentation(with_rounds(healthy_race(2), resumed, idle))
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["rounds_resumed"] == [R0]
+    assert finding.figures["round_computed_tokens"] == {R0: 160, R0 + 1: 64}
+    assert "1 of 2 rounds" in finding.reason
 
 
 def test_rounds_computing_less_than_the_largest_step_are_trigger_not_exercised() -> None:
     finding = fragmentation(healthy_race(2, race_window=window(256, 8)))
     assert_unknown(finding, errors.TriggerNotExercised)
     assert "(256)" in finding.reason
+    assert "prefills were not split" in finding.reason
     assert "--max-num-batched-tokens" in finding.hint
     assert "cpu-tiny-fragmented" in finding.hint
+    assert finding.figures["rounds_resumed"] == [R0, R0 + 1]  # resumed, but from blocks of whole prefills
 
 
 def test_a_round_that_fits_one_step_exactly_was_not_split() -> None:
     history = healthy_race(1, race_window=window(128, 128))
     assert fragmentation(history).figures["round_computed_tokens"] == {R0: 160}
-    exact = dataclasses.replace(history, exchanges=tuple(round_exchanges(R0, prompt=32)))
+    exact = with_rounds(history, round_exchanges(R0, prompt=32))
     finding = fragmentation(exact)
     assert finding.figures["round_computed_tokens"] == {R0: 128}
     assert_unknown(finding, errors.TriggerNotExercised)
@@ -355,8 +665,7 @@ def test_a_round_that_fits_one_step_exactly_was_not_split() -> None:
 
 def test_cached_racer_tokens_are_not_computed() -> None:
     cached = {"race-1": 32, "race-2": 32, "race-3": 32}
-    history = dataclasses.replace(healthy_race(1), exchanges=tuple(round_exchanges(R0, cached=cached)))
-    finding = fragmentation(history)
+    finding = fragmentation(with_rounds(healthy_race(1), round_exchanges(R0, cached=cached)))
     assert finding.figures["round_computed_tokens"] == {R0: PROMPT + 3 * (PROMPT - 32)}
     assert_unknown(finding, errors.TriggerNotExercised)
 
@@ -365,18 +674,9 @@ def test_failed_racers_computed_nothing() -> None:
     exchanges = [  # a failed answer's usage, should one come back, is not the server's work either
         dataclasses.replace(e, prompt_tokens=PROMPT) for e in round_exchanges(R0, failed=("race-0", "race-1"))
     ]
-    history = dataclasses.replace(healthy_race(1), exchanges=tuple(exchanges))
-    finding = fragmentation(history)
+    finding = fragmentation(with_rounds(healthy_race(1), exchanges))
     assert finding.figures["round_computed_tokens"] == {R0: 2 * PROMPT}
     assert_unknown(finding, errors.TriggerNotExercised)
-
-
-def test_one_fragmented_round_is_enough() -> None:
-    exchanges = [*round_exchanges(R0, prompt=16), *round_exchanges(R0 + 1)]
-    finding = fragmentation(healthy_race(2, exchanges=tuple(exchanges)))
-    assert finding.status is Status.PASS, finding.reason
-    assert finding.figures["round_computed_tokens"] == {R0: 64, R0 + 1: 160}
-    assert "1 of 2 rounds" in finding.reason
 
 
 @pytest.mark.parametrize("race_window", [None, h.live_delta()], ids=["no-window", "no-histogram"])
@@ -440,6 +740,14 @@ def test_only_the_second_send_counts() -> None:
     assert_unknown(race.liveness(race_history(pair, [])), errors.CacheNotLive)
 
 
+def test_race_followups_that_hit_do_not_make_the_cache_live() -> None:
+    # the race's own hits are what is under test; liveness is proved by its own pair alone
+    history = healthy_race()
+    history = dataclasses.replace(history, exchanges=tuple(e for e in history.exchanges if "liveness" not in e.kind))
+    assert any(e.cached_tokens for e in history.exchanges)
+    assert_unknown(race.liveness(history), errors.CacheNotLive)
+
+
 # --- probes pick gates and graders --------------------------------------------------------------------------
 
 
@@ -472,9 +780,14 @@ def test_the_cold_race_probe_runs_the_race_gates_and_not_the_multiturn_ones() ->
     ("history", "check", "error"),
     [
         (healthy_race(2, step_budget=4096), "race-trigger", errors.TriggerNotExercised),
+        (
+            with_rounds(healthy_race(1), round_exchanges(R0, cached=uncached_followups())),
+            "race-trigger",
+            errors.TriggerNotExercised,
+        ),
         (race_history(round_exchanges(R0), [rnd(R0)], race_window=window(64)), "race-liveness", errors.CacheNotLive),
     ],
-    ids=["not-fragmented", "no-liveness-hit"],
+    ids=["not-fragmented", "not-resumed", "no-liveness-hit"],
 )
 def test_a_failed_race_gate_makes_the_run_unknown(
     history: History, check: str, error: type[errors.Inconclusive]
@@ -506,39 +819,49 @@ def corrupt_multiturn(history: History) -> History:
 
 
 @pytest.mark.parametrize("grading", [GRADING, Grading(graders=("exactness",))], ids=["auto", "named"])
-def test_the_cold_race_probe_grades_with_race_exactness_only(grading: Grading) -> None:
+def test_the_cold_race_probe_grades_with_race_divergence_only(grading: Grading) -> None:
     history = corrupt_multiturn(combined())
     assert graders.exactness(history, GRADING).status is Status.FAIL  # would FAIL if it ran
     grades = graders.grade(history, grading, probes=("cold-race",))
-    assert grades.used == ("race-exactness",)
-    assert [f.check for f in grades.findings] == ["race-exactness"]
+    assert grades.used == ("race-divergence",)
+    assert [f.check for f in grades.findings] == ["race-divergence"]
     assert grades.findings[0].status is Status.PASS
     assert grades.not_used == ()
 
 
 def test_the_cold_race_probe_reports_race_corruption() -> None:
-    other = h.tokens(-0.1, words=["alpha"])
-    history = dataclasses.replace(healthy_race(1), exchanges=tuple(round_exchanges(R0, toks={"race-3": other})))
+    history = with_rounds(healthy_race(1), round_exchanges(R0, toks={"follow-1": shifted(0.01)}))
     grades = graders.grade(history, GRADING, probes=("cold-race",))
     assert merge(grades.findings).status is Status.FAIL
     assert grades.findings[0].error_class == "CorruptionDetected"
 
 
+def test_the_cold_race_probe_grades_with_the_stated_alpha_and_hard_margin() -> None:
+    far = deviating_race(COLD, FAR)
+    p = divergence(far).figures["p_values"]["deviation"]
+    assert merge(graders.grade(far, GRADING, probes=("cold-race",)).findings).status is Status.FAIL
+    assert merge(graders.grade(far, Grading(alpha=p), probes=("cold-race",)).findings).status is Status.PASS
+    flips = deviating_race(FISHER_COLD, FISHER_HITS, followups=4)
+    assert merge(graders.grade(flips, GRADING, probes=("cold-race",)).findings).status is Status.FAIL
+    relaxed = Grading(hard_margin=2.5)
+    assert merge(graders.grade(flips, relaxed, probes=("cold-race",)).findings).status is Status.PASS
+
+
 def test_a_cold_race_without_rounds_is_never_graded_pass() -> None:
     grades = graders.grade(race_history(liveness_pair(), []), GRADING, probes=("cold-race",))
-    assert grades.used == ("race-exactness",)
+    assert grades.used == ("race-divergence",)
     assert merge(grades.findings).status is Status.UNKNOWN
     assert grades.findings[0].error_class == "NoEvidence"
 
 
 def test_both_probes_grade_with_both_sets() -> None:
     grades = graders.grade(combined(), GRADING, probes=("multiturn", "cold-race"))
-    assert grades.used[0] == "race-exactness"
+    assert grades.used[0] == "race-divergence"
     assert {"exactness", "recall"} <= set(grades.used)
     assert all(f.status is Status.PASS for f in grades.findings), {f.check: f.reason for f in grades.findings}
     # a multiturn corruption shows through the race's PASS
     found = checks(graders.grade(corrupt_multiturn(combined()), GRADING, probes=("multiturn", "cold-race")).findings)
-    assert found["race-exactness"].status is Status.PASS
+    assert found["race-divergence"].status is Status.PASS
     assert found["exactness"].status is Status.FAIL
-    # and the multiturn probe alone leaves race-exactness out
-    assert "race-exactness" not in graders.grade(combined(), GRADING).used
+    # and the multiturn probe alone leaves race-divergence out
+    assert "race-divergence" not in graders.grade(combined(), GRADING).used
