@@ -6,7 +6,9 @@
   forward flips (control right, treatment wrong) against reverse flips.
 - logprob: hits that reach decode-written blocks legitimately deviate from recomputation, so the treatment's
   deviation (hit vs no-reuse) is judged against the same deviation on a reference server that resumes the same
-  way with speculative decoding off. Three one-sided tests at alpha/3 each.
+  way with speculative decoding off: on the largest pre-divergence deviation, a rank test (shift) and an exact
+  exceedance test (a subset beyond every reference value: a fault that fires in some conversations), and Fisher on
+  confident token flips, alpha/3 each.
 
 A grader without evidence returns a `NoEvidence` (or `ControlQualityFailure`) finding; `grade` leaves those out
 in auto mode and says so, but keeps them when the grader was asked for by name.
@@ -41,10 +43,12 @@ def divergence(hit: Sequence[TokenLogprob], fresh: Sequence[TokenLogprob]) -> Di
 
 
 def deviations(hit: Sequence[TokenLogprob], fresh: Sequence[TokenLogprob]) -> tuple[float, float] | None:
-    """(first-token deviation, mean |Δ logprob| before the first divergence) of a hit against recomputation.
+    """(first-token deviation, largest deviation before the first divergence) of a hit against recomputation.
 
-    The first-token deviation is the largest |Δ logprob| over the top-k tokens both arms list at position 0:
-    on a correct engine it is tiny (median ~3e-4 measured on the CPU pair), so it is the sharpest statistic.
+    The first-token deviation is the largest |Δ logprob| over the top-k tokens both arms list at position 0: on a
+    correct engine it is small (median ~0.06 on the tiny CPU model, ~3e-4 measured elsewhere). The second is the
+    larger of it and every |Δ chosen logprob| up to the first differing token: a wrong state often shows a few
+    tokens in rather than at once.
     """
     if not hit or not fresh:
         return None
@@ -55,10 +59,9 @@ def deviations(hit: Sequence[TokenLogprob], fresh: Sequence[TokenLogprob]) -> tu
     if hit[0].token != fresh[0].token:
         first = max(first, abs(hit[0].logprob - top_fresh.get(hit[0].token, fresh[0].logprob)))
     end = divergence(hit, fresh).position
-    upto = len(hit) if end < 0 else max(end, 1)
-    pairs = list(zip(hit[:upto], fresh[:upto], strict=False))
-    prefix = statistics.fmean(abs(a.logprob - b.logprob) for a, b in pairs)
-    return first, prefix
+    upto = len(hit) if end < 0 else end
+    before = (abs(a.logprob - b.logprob) for a, b in zip(hit[:upto], fresh[:upto], strict=False))
+    return first, max([first, *before])
 
 
 def _not_used(check: str, why: str, error: type[errors.Inconclusive] = errors.NoEvidence) -> Finding:
@@ -194,12 +197,12 @@ def logprob(history: History, grading: Grading) -> Finding:
     if n_t < 3 or n_r < 3:
         return _not_used("logprob", f"too few decode-region hits to compare (treatment {n_t}, reference {n_r})")
     tests = [
-        stats.mann_whitney_greater(t_first, r_first),
         stats.mann_whitney_greater(t_prefix, r_prefix),
+        stats.exceedance(t_prefix, r_prefix),
         stats.fisher_greater(t_hard, n_t - t_hard, r_hard, n_r - r_hard),
     ]
     level = grading.alpha / len(tests)
-    names = ("first-token deviation", "pre-divergence mean |Δ logprob|", "hard divergences")
+    names = ("deviation shift", "deviations beyond the reference", "hard divergences")
     figures = {
         "n_treatment": n_t,
         "n_reference": n_r,

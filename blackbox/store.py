@@ -19,11 +19,14 @@ import shutil
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blackbox.history import Exchange
 
-__all__ = ["RunStore", "curl_command", "new_run_id"]
+if TYPE_CHECKING:
+    from blackbox.history import History
+
+__all__ = ["RunStore", "curl_command", "load_history", "new_run_id"]
 
 
 def new_run_id(seed: int) -> str:
@@ -87,3 +90,52 @@ def curl_command(base_url: str, exchange: Exchange, api_key_env: str) -> str:
         shlex.quote(body),
     ]
     return " ".join(parts)
+
+
+def load_history(run_dir: Path) -> tuple[dict[str, Any], History]:
+    """Rebuild a run's config and History from its folder, so a run can be re-graded without the servers."""
+    from blackbox.client import parse_chat
+    from blackbox.history import History, Plan
+    from blackbox.metrics import MetricsDelta, parse
+    from blackbox.race import RaceRound
+
+    config = json.loads((run_dir / "config.json").read_text())
+    geometry = json.loads((run_dir / "geometry.json").read_text())
+    plans = [
+        Plan(**{**p, "turn1_messages": tuple(p["turn1_messages"]), "probe_messages": tuple(p["probe_messages"])})
+        for p in (json.loads((run_dir / "plans.json").read_text()) if (run_dir / "plans.json").exists() else [])
+    ]
+    race_file = run_dir / "race.json"
+    race = json.loads(race_file.read_text()) if race_file.exists() else {"rounds": [], "budget": None}
+    exchanges = []
+    for line in (run_dir / "exchanges.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        parsed = parse_chat(e["response"]) if e.get("response") else {}
+        exchanges.append(
+            Exchange(
+                e["conversation"],
+                e["arm"],
+                e["kind"],
+                e["case_id"],
+                elapsed_s=e["elapsed_s"],
+                error=e["error"],
+                request=e["request"],
+                status_code=e["status_code"],
+                **parsed,
+            )
+        )
+    deltas = {}
+    for before in sorted((run_dir / "metrics").glob("*-before.prom")):
+        arm = before.name.removesuffix("-before.prom")
+        after = before.with_name(f"{arm}-after.prom")
+        if after.exists():
+            deltas[arm] = MetricsDelta(parse(before.read_text()), parse(after.read_text()))
+    history = History(
+        geometry["block_size"],
+        tuple(plans),
+        tuple(exchanges),
+        deltas,
+        tuple(RaceRound(**r) for r in race["rounds"]),
+        race.get("budget"),
+    )
+    return config, history

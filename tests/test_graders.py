@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Sequence
 
@@ -46,7 +47,7 @@ def test_deviations_first_token_is_the_largest_shift_over_shared_top_tokens() ->
     fresh = (TokenLogprob("a", -0.6, (("a", -0.6), ("b", -1.0), ("d", -2.0))), *h.tokens(-0.25, -0.1))
     first, prefix = deviations(hit, fresh)
     assert first == pytest.approx(0.4)  # b moved 0.4; c and d are not listed by both
-    assert prefix == pytest.approx((0.1 + 0.05 + 0.3) / 3)
+    assert prefix == pytest.approx(0.4)  # the first token's 0.4 beats the chosen tokens' 0.1, 0.05, 0.3
 
 
 def test_deviations_prefix_stops_at_the_first_divergence() -> None:
@@ -54,7 +55,7 @@ def test_deviations_prefix_stops_at_the_first_divergence() -> None:
     fresh = h.tokens(-0.1, -0.5, -9.0, -9.0, words=["a", "b", "x", "d"])
     first, prefix = deviations(hit, fresh)
     assert first == pytest.approx(0.0)
-    assert prefix == pytest.approx((0.0 + 0.3) / 2)
+    assert prefix == pytest.approx(0.3)  # b moved 0.3; c differs, so d's shift is not counted
 
 
 def test_deviations_when_the_first_token_differs() -> None:
@@ -62,7 +63,7 @@ def test_deviations_when_the_first_token_differs() -> None:
     fresh = (TokenLogprob("b", -0.6, (("b", -0.6), ("a", -0.7))),)
     first, prefix = deviations(hit, fresh)
     assert first == pytest.approx(0.4)  # b: -1.0 vs -0.6
-    assert prefix == pytest.approx(0.3)  # position 0 stands in for an empty prefix
+    assert prefix == pytest.approx(0.4)  # nothing before the divergence: the first token's deviation
 
 
 def test_deviations_without_top_lists_fall_back_to_the_chosen_token() -> None:
@@ -239,10 +240,20 @@ def test_large_first_token_deviations_against_a_quiet_reference_are_corruption()
     finding = graders.logprob(logprob_history(BROKEN, NOISE), GRADING)
     assert finding.status is Status.FAIL
     assert finding.error_class == "CorruptionDetected"
-    assert finding.figures["p_values"]["first-token deviation"] < GRADING.alpha / 3
+    assert finding.figures["p_values"]["deviation shift"] < GRADING.alpha / 3
+    assert finding.figures["p_values"]["deviations beyond the reference"] < GRADING.alpha / 3
     assert finding.figures["treatment_first_token"]["median"] == pytest.approx(statistics.median(BROKEN))
     assert finding.figures["reference_first_token"]["median"] == pytest.approx(statistics.median(NOISE))
     assert (finding.figures["n_treatment"], finding.figures["n_reference"]) == (12, 12)
+
+
+def test_a_subset_of_conversations_far_beyond_the_reference_is_corruption() -> None:
+    # A fault that fires in some conversations only: a third sits in the noise, the rest far above it.
+    treatment = [*NOISE[:4], 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65]
+    finding = graders.logprob(logprob_history(treatment, NOISE), GRADING)
+    assert finding.status is Status.FAIL
+    p = finding.figures["p_values"]["deviations beyond the reference"]
+    assert p == pytest.approx(math.comb(12, 8) / math.comb(24, 8))
 
 
 def test_deviations_at_the_noise_floor_on_both_arms_pass() -> None:
@@ -258,7 +269,7 @@ def test_hard_divergences_alone_are_corruption() -> None:
     assert finding.figures["treatment_hard_divergences"] == 10
     assert finding.figures["reference_hard_divergences"] == 0
     p_values = finding.figures["p_values"]
-    assert p_values["first-token deviation"] == p_values["pre-divergence mean |Δ logprob|"] == 1.0
+    assert p_values["deviations beyond the reference"] == 1.0
     assert p_values["hard divergences"] == pytest.approx(66 / 1961256)  # C(12,10) / C(24,10)
 
 

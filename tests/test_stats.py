@@ -141,3 +141,26 @@ def test_quantile_edge_cases() -> None:
 def test_describe_names_the_test_and_the_figures() -> None:
     text = stats.sign_test(7, 0).describe()
     assert "sign test" in text and "p = 0.00781" in text and "n = 7" in text
+
+
+def test_exceedance_counts_values_beyond_the_others_maximum() -> None:
+    result = stats.exceedance([0.9, 0.8, 0.1, 0.2], [0.1, 0.3, 0.25])
+    assert result.statistic == 2
+    assert result.p_value == pytest.approx(math.comb(4, 2) / math.comb(7, 2))
+
+
+def test_exceedance_with_nothing_beyond_is_one() -> None:
+    assert stats.exceedance([0.1, 0.2], [0.3]).p_value == 1.0
+    assert stats.exceedance([], [0.3]).p_value == 1.0
+
+
+def test_exceedance_is_exact_under_exchangeability() -> None:
+    # All orderings of 3 x-values among 6 are equally likely; P(top 2 are both x) = C(3,2)/C(6,2) = 0.2.
+    import itertools
+
+    hits = 0
+    orders = list(itertools.permutations(range(6)))
+    for order in orders:
+        x, y = [order[i] for i in range(3)], [order[i] for i in range(3, 6)]
+        hits += sum(v > max(y) for v in x) >= 2
+    assert hits / len(orders) == pytest.approx(stats.exceedance([5, 4, 0], [1, 2, 3]).p_value)
