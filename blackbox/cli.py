@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import shlex
 import sys
@@ -15,10 +16,10 @@ from pathlib import Path
 
 from blackbox import errors
 from blackbox.config import GRADERS, PROBES, Grading, RunConfig
-from blackbox.engine import RunResult, run
+from blackbox.engine import RunResult, judge, run
 from blackbox.race import RaceSettings
 from blackbox.report import ProgressLine, summary
-from blackbox.store import RunStore, new_run_id
+from blackbox.store import RunStore, load_history, new_run_id
 from blackbox.workload import Shape
 
 __all__ = ["main"]
@@ -66,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--model", help="served model name (default: the first one each server lists)")
     r.add_argument("--api-key-env", default="BLACKBOX_API_KEY", help="environment variable holding the API key")
     _common(r)
+    g = sub.add_parser("grade", help="re-judge a stored run folder offline (no servers needed)")
+    g.add_argument("run_dir", type=Path)
+    g.add_argument("--alpha", type=float, help="override the run's significance level")
     d = sub.add_parser("demo", help="build the tiny model, launch the CPU pair, run, print the verdict, stop")
     d.add_argument("--profile", default="cpu-tiny")
     d.add_argument("--no-reference", action="store_true", help="launch treatment and control only")
@@ -149,10 +153,26 @@ def _demo(args: argparse.Namespace) -> int:
     return result.verdict.exit_code
 
 
+def _grade(args: argparse.Namespace) -> int:
+    if not (args.run_dir / "exchanges.jsonl").is_file():
+        raise errors.UsageError(
+            f"{args.run_dir} is not a blackbox run folder (no exchanges.jsonl)",
+            hint="pass a folder under runs/ that a `blackbox run` wrote",
+        )
+    data, history = load_history(args.run_dir)
+    config = RunConfig.from_json(data)
+    if args.alpha is not None:
+        config = dataclasses.replace(config, grading=dataclasses.replace(config.grading, alpha=args.alpha))
+    verdict, grades = judge(history, config)
+    print(summary(RunResult(verdict, history, grades, args.run_dir, 0.0)))
+    return verdict.exit_code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    commands = {"run": _run, "demo": _demo, "grade": _grade}
     try:
-        return _run(args) if args.command == "run" else _demo(args)
+        return commands[args.command](args)
     except errors.BlackboxError as exc:
         print(f"blackbox: {exc.title}: {exc}", file=sys.stderr)
         return exc.exit_code

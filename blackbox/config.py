@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -77,6 +78,22 @@ class RunConfig:
     def to_json(self) -> dict[str, Any]:
         """Everything needed to replay the run; the API key is named by its variable, never stored."""
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RunConfig:
+        race = {**data.get("race", {})}
+        race["sizes"] = tuple(race.get("sizes", RaceSettings.sizes))
+        grading = {**data.get("grading", {})}
+        grading["graders"] = tuple(grading.get("graders", ()))
+        return cls(
+            **{
+                **data,
+                "shape": Shape(**data.get("shape", {})),
+                "grading": Grading(**grading),
+                "race": RaceSettings(**race),
+                "probes": tuple(data.get("probes", ("multiturn",))),
+            }
+        )
 
 
 def _require(ok: bool, message: str) -> None:

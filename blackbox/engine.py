@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from blackbox.store import RunStore
 from blackbox.verdict import Finding, Verdict, merge
 from blackbox.workload import plan_conversation, turn1_body, turn2_body, turn2_messages
 
-__all__ = ["RunResult", "run"]
+__all__ = ["RunResult", "judge", "run"]
 
 Progress = Callable[[int, int, str], None]
 _SETTLE_KEYS = (metrics.CACHE_HITS, metrics.CACHE_QUERIES, metrics.DRAFTS, metrics.ACCEPTED)
@@ -56,10 +56,15 @@ async def run(config: RunConfig, store: RunStore, progress: Progress | None = No
         return _finish(store, verdict, None, None, started, geo)
     finally:
         await asyncio.gather(*(e.aclose() for e in endpoints.values()))
-    grades = grade(history, config.grading, config.probes)
-    verdict = merge([*role_findings, *gates.all_gates(history, config.grading, config.probes), *grades.findings])
+    verdict, grades = judge(history, config, role_findings)
     _write_replays(store, urls, history, verdict, config.api_key_env)
     return _finish(store, verdict, history, grades, started, geo)
+
+
+def judge(history: History, config: RunConfig, extra: Sequence[Finding] = ()) -> tuple[Verdict, Grades]:
+    """Gates and graders over a history: the whole verdict, from data alone."""
+    grades = grade(history, config.grading, config.probes)
+    return merge([*extra, *gates.all_gates(history, config.grading, config.probes), *grades.findings]), grades
 
 
 def _quiet(done: int, total: int, note: str) -> None:
@@ -111,6 +116,8 @@ async def _drive(
             treatment, config.race, config.seed, geo.block_size, geo.max_model_len, salt, record_race
         )
         race_window = MetricsDelta(race_before, await _settle(treatment, config.settle_s))
+        store.write_text("metrics/race-window/before.prom", race_window.before.text)
+        store.write_text("metrics/race-window/after.prom", race_window.after.text)
         await race.send_liveness(treatment, config.seed, geo.block_size, geo.max_model_len, salt, record_race)
         exchanges.extend(found_race)
         store.write_json("race.json", {"budget": budget, "rounds": [r.__dict__ for r in rounds]})

@@ -130,12 +130,14 @@ def load_history(run_dir: Path) -> tuple[dict[str, Any], History]:
         after = before.with_name(f"{arm}-after.prom")
         if after.exists():
             deltas[arm] = MetricsDelta(parse(before.read_text()), parse(after.read_text()))
+    window = run_dir / "metrics" / "race-window"
+    race_window = (
+        MetricsDelta(parse((window / "before.prom").read_text()), parse((window / "after.prom").read_text()))
+        if (window / "after.prom").exists()
+        else None
+    )
+    rounds = tuple(RaceRound(**r) for r in race["rounds"])
     history = History(
-        geometry["block_size"],
-        tuple(plans),
-        tuple(exchanges),
-        deltas,
-        tuple(RaceRound(**r) for r in race["rounds"]),
-        race.get("budget"),
+        geometry["block_size"], tuple(plans), tuple(exchanges), deltas, rounds, race.get("budget"), race_window
     )
     return config, history

@@ -61,3 +61,8 @@ def test_api_key_never_reaches_the_run_folder(tmp_path: Path, monkeypatch: pytes
 def test_demo_rejects_an_unknown_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--profile", "no-such-profile", "--out", str(tmp_path)]) == 3
     assert "no-such-profile" in capsys.readouterr().err
+
+
+def test_grade_refuses_a_folder_that_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["grade", str(tmp_path)]) == 3
+    assert "not a blackbox run folder" in capsys.readouterr().err

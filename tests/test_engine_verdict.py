@@ -51,6 +51,10 @@ def test_clean_pair_passes_with_the_trigger_proven(cpu_fleet: Fleet, tmp_path: P
         assert (run / "metrics" / f"{arm}-after.prom").is_file()
     assert list((run / "replay").glob("*.sh"))
     assert "blackbox: PASS" in output and "acceptance per position" in output
+    # The folder alone re-judges to the same verdict, with no server.
+    regrade = subprocess.run([sys.executable, "-m", "blackbox.cli", "grade", str(run)], capture_output=True, text=True)
+    assert regrade.returncode == 0, regrade.stdout + regrade.stderr
+    assert "blackbox: PASS" in regrade.stdout
 
 
 def test_without_a_reference_the_logprob_grader_says_why_it_was_not_used(cpu_fleet: Fleet, tmp_path: Path) -> None:
