@@ -3,9 +3,6 @@ and the same probe on a clean treatment must pass."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +11,7 @@ from servers.launch import Fleet
 from servers.profiles import build_specs
 from servers.vllm_plugin.faults import fired_counts
 
-from engine_env import BASE_PORT, CACHE
+from engine_env import BASE_PORT, CACHE, blackbox_cli
 
 # fault -> (profile, probe, the checks that should catch it)
 CASES = {
@@ -26,11 +23,8 @@ TREATMENT_PORT = BASE_PORT + 5  # the session's servers use BASE_PORT..BASE_PORT
 
 
 def _blackbox(treatment: str, shared: Fleet, probe: str, out: Path, seed: int) -> tuple[int, dict, str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "blackbox.cli",
-        "run",
+    code, output, _, verdict = blackbox_cli(
+        out,
         "--treatment",
         treatment,
         "--control",
@@ -43,12 +37,8 @@ def _blackbox(treatment: str, shared: Fleet, probe: str, out: Path, seed: int) -
         "16",
         "--seed",
         str(seed),
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-    (run,) = [p for p in out.iterdir() if (p / "verdict.json").exists()]
-    return proc.returncode, json.loads((run / "verdict.json").read_text()), proc.stdout + proc.stderr
+    )
+    return code, verdict, output
 
 
 def _treatment(profile: str, fault: str | None, log_dir: Path) -> Fleet:

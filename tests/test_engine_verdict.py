@@ -9,25 +9,14 @@ from pathlib import Path
 
 from servers.launch import Fleet
 
+from engine_env import blackbox_cli
+
 
 def _run(fleet: Fleet, out: Path, *extra: str) -> tuple[int, str, Path]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "blackbox.cli",
-        "run",
-        "--treatment",
-        fleet.urls["treatment"],
-        "--control",
-        fleet.urls["control"],
-        "--out",
-        str(out),
-        *extra,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-    runs = sorted(p for p in out.iterdir() if (p / "verdict.json").exists())
-    assert runs, proc.stdout + proc.stderr
-    return proc.returncode, proc.stdout + proc.stderr, runs[-1]
+    code, output, run, _ = blackbox_cli(
+        out, "--treatment", fleet.urls["treatment"], "--control", fleet.urls["control"], *extra
+    )
+    return code, output, run
 
 
 def test_clean_pair_passes_with_the_trigger_proven(cpu_fleet: Fleet, tmp_path: Path) -> None:
