@@ -35,7 +35,7 @@ lint: setup
 	$(BIN)/mypy
 
 bench: setup
-	$(BIN)/python bench/servers.py
+	$(BIN)/python bench/startup.py
 	$(BIN)/python bench/run.py
 
 clean:

@@ -1,6 +1,6 @@
 """Start-up time and memory of the CPU servers (targets: healthy within 90 s, <= 4 GB RSS each).
 
-    .venv/bin/python bench/servers.py [--roles treatment,control] [--base-port 8190]
+    .venv/bin/python bench/startup.py [--roles treatment,control] [--base-port 8190]
 
 Prints one line per server and the figures against their targets. Run it twice: the first start compiles and
 warms caches; the figure that counts is the warm one.
