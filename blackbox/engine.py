@@ -100,33 +100,25 @@ async def _drive(
         exchanges.extend(found)
         store.write_json("plans.json", [p.__dict__ for p in plans])
     rounds: list[race.RaceRound] = []
-    budget: int | None = None
     race_window: MetricsDelta | None = None
     if "cold-race" in config.probes:
         progress(0, 0, "cold race")
-        budget = config.max_num_batched_tokens
-        race_before = await _settle(treatment, config.settle_s)
-        found_race: list[Exchange] = []
-
-        def record_race(e: Exchange) -> Exchange:
-            found_race.append(record(e))
-            return found_race[-1]
-
-        rounds = await race.drive(
-            treatment, config.race, config.seed, geo.block_size, geo.max_model_len, salt, record_race
-        )
-        race_window = MetricsDelta(race_before, await _settle(treatment, config.settle_s))
-        store.write_text("metrics/race-window/before.prom", race_window.before.text)
-        store.write_text("metrics/race-window/after.prom", race_window.after.text)
-        await race.send_liveness(treatment, config.seed, geo.block_size, geo.max_model_len, salt, record_race)
-        exchanges.extend(found_race)
-        store.write_json("race.json", {"budget": budget, "rounds": [r.__dict__ for r in rounds]})
+        rounds, found, race_window = await _cold_race(config, treatment, geo, salt, record, store)
+        exchanges.extend(found)
     progress(len(plans), len(plans), "waiting for counters to settle")
     after = {arm: await _settle(e, config.settle_s) for arm, e in endpoints.items()}
     for arm, snap in after.items():
         store.write_text(f"metrics/{arm}-after.prom", snap.text)
     deltas = {arm: MetricsDelta(before[arm], after[arm]) for arm in endpoints}
-    history = History(geo.block_size, tuple(plans), tuple(exchanges), deltas, tuple(rounds), budget, race_window)
+    history = History(
+        geo.block_size,
+        tuple(plans),
+        tuple(exchanges),
+        deltas,
+        tuple(rounds),
+        config.max_num_batched_tokens,
+        race_window,
+    )
     return history, geo, _roles(before)
 
 
@@ -158,6 +150,31 @@ async def _multiturn(
 
     results = await gather_bounded(config.concurrency, *(one(p) for p in plans))
     return list(plans), [e for r in results for e in r]
+
+
+async def _cold_race(
+    config: RunConfig,
+    treatment: Endpoint,
+    geo: geometry.Geometry,
+    salt: str,
+    record: Callable[[Exchange], Exchange],
+    store: RunStore,
+) -> tuple[list[race.RaceRound], list[Exchange], MetricsDelta]:
+    """The race rounds between two settled snapshots (the window proves fragmentation), then the liveness pair."""
+    found: list[Exchange] = []
+
+    def keep(e: Exchange) -> Exchange:
+        found.append(record(e))
+        return found[-1]
+
+    before = await _settle(treatment, config.settle_s)
+    rounds = await race.drive(treatment, config.race, config.seed, geo.block_size, geo.max_model_len, salt, keep)
+    window = MetricsDelta(before, await _settle(treatment, config.settle_s))
+    store.write_text("metrics/race-window/before.prom", window.before.text)
+    store.write_text("metrics/race-window/after.prom", window.after.text)
+    await race.send_liveness(treatment, config.seed, geo.block_size, geo.max_model_len, salt, keep)
+    store.write_json("race.json", {"budget": config.max_num_batched_tokens, "rounds": [r.__dict__ for r in rounds]})
+    return rounds, found, window
 
 
 async def _conversation(
