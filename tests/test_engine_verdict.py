@@ -61,3 +61,38 @@ def test_naming_the_recall_grader_on_a_model_that_cannot_recall_is_unknown(cpu_f
     verdict = json.loads((run / "verdict.json").read_text())
     assert code == 2, output
     assert verdict["status"] == "UNKNOWN" and verdict["error_class"] == "ControlQualityFailure"
+
+
+def test_the_pytest_plugin_runs_the_same_engine(cpu_fleet: Fleet, tmp_path: Path) -> None:
+    (tmp_path / "test_smoke.py").write_text(
+        "def test_no_corruption(blackbox_result):\n    blackbox_result.assert_pass()\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "test_smoke.py"),
+            "--blackbox-treatment",
+            cpu_fleet.urls["treatment"],
+            "--blackbox-control",
+            cpu_fleet.urls["control"],
+            "--blackbox-conversations",
+            "4",
+            "--blackbox-seed",
+            "14",
+            "--blackbox-out",
+            str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 passed" in proc.stdout
+    (run,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run / "verdict.json").read_text())["status"] == "PASS"
