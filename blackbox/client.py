@@ -90,24 +90,16 @@ class Endpoint:
         request = {"model": self.model, **body}
         started = time.monotonic()
         status: int | None = None
+        outcome: dict[str, Any]
         try:
             response = await self._send("POST", "/v1/chat/completions", json=request, case_id=case_id)
             status = response.status_code
             if status != 200:
                 raise EndpointError(f"HTTP {status}: {response.text[:300]}")
             payload = response.json()
-            parsed = parse_chat(payload)
+            outcome = {"response": payload, **parse_chat(payload)}
         except (httpx.HTTPError, EndpointError, ValueError, LookupError, TypeError, AttributeError) as exc:
-            return Exchange(
-                conversation,
-                self.arm,
-                kind,
-                case_id,
-                elapsed_s=time.monotonic() - started,
-                error=f"{type(exc).__name__}: {exc}",
-                request=request,
-                status_code=status,
-            )
+            outcome = {"error": f"{type(exc).__name__}: {exc}"}
         return Exchange(
             conversation,
             self.arm,
@@ -115,9 +107,8 @@ class Endpoint:
             case_id,
             elapsed_s=time.monotonic() - started,
             request=request,
-            response=payload,
             status_code=status,
-            **parsed,
+            **outcome,
         )
 
     async def _send(self, method: str, path: str, *, case_id: str = "", **kw: Any) -> httpx.Response:
