@@ -52,12 +52,7 @@ def deviations(hit: Sequence[TokenLogprob], fresh: Sequence[TokenLogprob]) -> tu
     """
     if not hit or not fresh:
         return None
-    top_hit, top_fresh = dict(hit[0].top) or {hit[0].token: hit[0].logprob}, dict(fresh[0].top)
-    top_fresh = top_fresh or {fresh[0].token: fresh[0].logprob}
-    shared = top_hit.keys() & top_fresh.keys()
-    first = max((abs(top_hit[t] - top_fresh[t]) for t in shared), default=abs(hit[0].logprob - fresh[0].logprob))
-    if hit[0].token != fresh[0].token:
-        first = max(first, abs(hit[0].logprob - top_fresh.get(hit[0].token, fresh[0].logprob)))
+    first = hit[0].gap(fresh[0])
     end = divergence(hit, fresh).position
     upto = len(hit) if end < 0 else end
     before = (abs(a.logprob - b.logprob) for a, b in zip(hit[:upto], fresh[:upto], strict=False))

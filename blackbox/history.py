@@ -48,6 +48,12 @@ class TokenLogprob:
             return None
         return self.top[0][1] - self.top[1][1]
 
+    def gap(self, other: TokenLogprob) -> float:
+        """Largest |Δ logprob| over the tokens both positions list (chosen and top-k alike): two distributions
+        over the next token, compared where both give a figure."""
+        mine, theirs = {self.token: self.logprob, **dict(self.top)}, {other.token: other.logprob, **dict(other.top)}
+        return max((abs(mine[t] - theirs[t]) for t in mine.keys() & theirs.keys()), default=0.0)
+
 
 @dataclass(frozen=True)
 class Plan:

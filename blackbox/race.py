@@ -41,6 +41,8 @@ __all__ = [
     "largest_step",
     "liveness",
     "race_divergence",
+    "racer_tokens",
+    "resends_answer",
     "send_liveness",
 ]
 
@@ -53,8 +55,8 @@ class RaceSettings:
     racers: int = 8
     rounds_per_size: int = 3
     sizes: tuple[float, ...] = (1.5, 2.5)  # prompt length in blocks
-    followups: int = 3
-    max_tokens: int = 32
+    followups: int = 4
+    max_tokens: int = 32  # of each follow-up; racers decode past the block their prompt ends in
     top_logprobs: int = 5
 
 
@@ -86,6 +88,19 @@ def _body(messages: Sequence[Mapping[str, str]], settings: RaceSettings, salt: s
     }
 
 
+def racer_tokens(prompt_tokens: int, block_size: int) -> int:
+    """What each racer decodes: through the block its prompt ends in and a quarter block on, so that block is
+    completed (and cached) by decode and a follow-up that re-sends the answer matches it."""
+    return -(-prompt_tokens // block_size) * block_size + block_size // 4 - prompt_tokens
+
+
+def resends_answer(followup: int, prompt_tokens: int, block_size: int) -> bool:
+    """Whether follow-up `followup` re-sends a racer's answer (reaching the boundary the prompt ended past) or a
+    short one (resuming inside the prompt's own blocks). Under MTP the lookup drops the last matched block, so
+    below two prompt blocks only the first kind can hit; above, they alternate and both boundaries are tested."""
+    return followup % 2 == 1 or prompt_tokens < 2 * block_size
+
+
 async def drive(
     treatment: Endpoint,
     settings: RaceSettings,
@@ -103,22 +118,38 @@ async def drive(
         for _ in range(settings.rounds_per_size):
             plan = await plan_conversation(index, seed, shape, block_size, max_model_len, treatment.count_tokens)
             own = f"{salt}-race-{index}"
+            decode = racer_tokens(plan.turn1_prompt_tokens, block_size)
 
-            async def ask(kind: str, messages: Sequence[Mapping[str, str]], cache_salt: str, conv: int = index) -> None:
+            async def ask(
+                kind: str,
+                messages: Sequence[Mapping[str, str]],
+                cache_salt: str,
+                *,
+                forced: int | None = None,
+                conv: int = index,
+            ) -> Exchange:
                 body = _body(messages, settings, cache_salt)
-                record(await treatment.chat(body, conversation=conv, kind=kind))
+                if forced is not None:  # a fixed length, so the answer completes the block the prompt ends in
+                    body |= {"max_tokens": forced, "min_tokens": forced, "ignore_eos": True}
+                return record(await treatment.chat(body, conversation=conv, kind=kind))
 
             prompt = plan.turn1_messages
-            await asyncio.gather(*(ask(f"race-{j}", prompt, own) for j in range(settings.racers)))
-            await ask("race-fresh", prompt, f"{own}-fresh")
+            racers = await asyncio.gather(
+                *(ask(f"race-{j}", prompt, own, forced=decode) for j in range(settings.racers))
+            )
+            await ask("race-fresh", prompt, f"{own}-fresh", forced=decode)
+            answer = next((e.text for e in racers if e.ok and e.text), "ok .")
             rng = random.Random(f"blackbox-race:{seed}:{index}")
             for f in range(settings.followups):
                 # A block-long new question: under MTP the lookup drops the last matched block, so the follow-up
-                # must run a block past the prompt to reach the boundaries the race wrote.
+                # must run a block past the boundary it is meant to resume from.
                 tail = " ".join(rng.choice(FILLER) for _ in range(block_size))
                 follow = (
                     *prompt,
-                    {"role": "assistant", "content": "ok ."},
+                    {
+                        "role": "assistant",
+                        "content": answer if resends_answer(f, plan.turn1_prompt_tokens, block_size) else "ok .",
+                    },
                     {"role": "user", "content": f"{tail} . {question_for(rng.choice(NAMES))}"},
                 )
                 await ask(f"follow-{f}", follow, own)
@@ -129,13 +160,15 @@ async def drive(
 
 
 def deviation(answer: Sequence[TokenLogprob], fresh: Sequence[TokenLogprob], hard_margin: float) -> float:
-    """Largest |Δ logprob| before the first differing token; infinite when the tokens part where recomputation
-    was sure (top-1 margin >= `hard_margin`) or the lengths differ: a near-tie flip is noise, a confident one not."""
+    """Largest |Δ logprob| over the tokens both sides list (chosen and top-k), at every position up to and
+    including the first differing token: the context is still shared there, so a near-tie flip is compared like
+    any other position, not dropped. Infinite when the tokens part where recomputation was sure (top-1 margin
+    >= `hard_margin`) or the lengths differ: a near-tie flip is noise, a confident one not."""
     worst = 0.0
     for a, b in zip(answer, fresh, strict=False):
+        worst = max(worst, a.gap(b))
         if a.token != b.token:
             return float("inf") if (b.margin or 0.0) >= hard_margin else worst
-        worst = max(worst, abs(a.logprob - b.logprob))
     return worst if len(answer) == len(fresh) else float("inf")
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import pytest
 
 from blackbox import errors, gates, graders, metrics, race
+from blackbox.client import Endpoint
 from blackbox.config import Grading
 from blackbox.history import Arm, Exchange, History, Kind, TokenLogprob
 from blackbox.metrics import MetricsDelta
@@ -32,6 +34,7 @@ WORDS = ["alpha", "bravo", "two"]
 ANSWER = h.tokens(-0.1, -0.2, -0.3, words=WORDS)  # every alternative 2 nats below: confident
 TIED = h.tokens(-0.1, -0.2, -0.3, words=WORDS, margin=0.5)  # the same answer, every position a near-tie
 FLIPPED = h.tokens(-0.1, -0.2, -0.3, words=["alpha", "bravo", "three"])  # parts from ANSWER at its last token
+FLIPPED_TIED = h.tokens(-0.1, -0.2, -0.3, words=["alpha", "bravo", "three"], margin=0.5)  # ... and from TIED
 BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # vLLM's iteration_tokens buckets, trimmed
 EARLIER = (2000, 700, 40, 1)  # steps taken before the race window opened (the multiturn probe, warm-up)
 RACE_GATES = ["endpoints", "counters", "cache-live", "race-trigger", "race-liveness"]
@@ -237,6 +240,66 @@ def assert_corruption(finding: Finding) -> None:
     assert merge([finding]).exit_code == errors.CorruptionDetected.exit_code
 
 
+# --- drive: what the race sends ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("prompt", "decode"), [(192, 96), (320, 96), (256, 32), (250, 38), (129, 159)])
+def test_racers_decode_through_the_block_their_prompt_ends_in(prompt: int, decode: int) -> None:
+    assert race.racer_tokens(prompt, 128) == decode
+
+
+def test_short_prompts_always_resend_the_answer_longer_ones_alternate() -> None:
+    assert [race.resends_answer(f, 192, 128) for f in range(4)] == [True] * 4  # 1.5 blocks: "ok ." cannot hit
+    assert [race.resends_answer(f, 320, 128) for f in range(4)] == [False, True, False, True]
+
+
+class ScriptedTreatment:
+    """Counts a word as a token and answers every chat with the same words; keeps each request body."""
+
+    ANSWER = "the code is 42"
+
+    def __init__(self) -> None:
+        self.bodies: dict[tuple[int, str], dict[str, Any]] = {}
+
+    async def count_tokens(self, messages: Sequence[Mapping[str, str]], *, generation_prompt: bool = True) -> int:
+        return sum(len(m["content"].split()) for m in messages)
+
+    async def chat(self, body: Mapping[str, Any], *, conversation: int, kind: str) -> Exchange:
+        self.bodies[conversation, kind] = dict(body)
+        words = len(body["messages"][0]["content"].split())
+        e = h.exchange(conversation, Arm.TREATMENT, kind, cached=0, text=self.ANSWER)
+        return dataclasses.replace(e, prompt_tokens=words)
+
+
+async def test_drive_forces_racer_lengths_and_resends_their_answer() -> None:
+    fake = ScriptedTreatment()
+    settings = race.RaceSettings(racers=3, rounds_per_size=1, sizes=(1.5, 2.5), followups=2)
+    recorded: list[Exchange] = []
+    rounds = await race.drive(cast(Endpoint, fake), settings, 7, 128, 4096, "salt", lambda e: recorded.append(e) or e)
+    assert [(r.blocks, r.racers, r.followups) for r in rounds] == [(1.5, 3, 2), (2.5, 3, 2)]
+    assert len(recorded) == len(fake.bodies) == 2 * (3 + 1 + 2 * 2)
+    for r in rounds:
+        decode = race.racer_tokens(r.prompt_tokens, 128)
+        for kind in ("race-0", "race-1", "race-2", "race-fresh"):
+            body = fake.bodies[r.index, kind]
+            assert body["max_tokens"] == body["min_tokens"] == decode and body["ignore_eos"] is True
+            assert body["logprobs"] is True
+        assert fake.bodies[r.index, "race-0"]["cache_salt"] == fake.bodies[r.index, "race-2"]["cache_salt"]
+        assert fake.bodies[r.index, "race-fresh"]["cache_salt"] != fake.bodies[r.index, "race-0"]["cache_salt"]
+        for f in range(2):
+            follow, fresh = fake.bodies[r.index, f"follow-{f}"], fake.bodies[r.index, f"follow-{f}-fresh"]
+            assert follow["messages"] == fresh["messages"] and follow["cache_salt"] != fresh["cache_salt"]
+            assert follow["cache_salt"] == fake.bodies[r.index, "race-0"]["cache_salt"]  # resumes the race's blocks
+            assert "min_tokens" not in follow and follow["max_tokens"] == settings.max_tokens
+            expected = fake.ANSWER if race.resends_answer(f, r.prompt_tokens, 128) else "ok ."
+            assert follow["messages"][-2] == {"role": "assistant", "content": expected}
+    # 1.5 blocks: both follow-ups re-send the answer; 2.5 blocks: the first says "ok .", the second re-sends.
+    assert [fake.bodies[rounds[1].index, f"follow-{f}"]["messages"][-2]["content"] for f in range(2)] == [
+        "ok .",
+        fake.ANSWER,
+    ]
+
+
 # --- deviation ----------------------------------------------------------------------------------------------
 
 
@@ -252,25 +315,38 @@ def test_the_deviation_is_the_largest_logprob_gap() -> None:
     assert race.deviation(fresh, other, 1.0) == pytest.approx(0.3)  # |Δ|: either side may be lower
 
 
-def test_only_the_chosen_logprobs_count() -> None:
-    # An alternative's logprob moving is not a deviation (exact mode still tells the answers apart).
-    assert race.deviation(h.tokens(-0.1, -0.2, -0.3, words=WORDS, margin=2.5), ANSWER, 1.0) == 0.0
+def test_an_alternative_moving_is_a_deviation() -> None:
+    # The same chosen tokens and logprobs, but every runner-up 0.5 nats lower: the next-token distribution moved.
+    assert race.deviation(h.tokens(-0.1, -0.2, -0.3, words=WORDS, margin=2.5), ANSWER, 1.0) == pytest.approx(0.5)
 
 
-def test_a_near_tie_flip_ends_the_comparison_at_the_gap_so_far() -> None:
+def test_only_tokens_both_sides_list_are_compared() -> None:
+    fresh = (TokenLogprob("a", -0.1, (("a", -0.1), ("b", -2.0), ("c", -3.0))),)
+    other = (TokenLogprob("a", -0.1, (("a", -0.1), ("b", -2.3), ("d", -2.5))),)  # c and d: one side only
+    assert race.deviation(other, fresh, 1.0) == pytest.approx(0.3)
+
+
+def test_a_near_tie_flip_counts_its_own_position_and_ends_the_comparison() -> None:
     fresh = h.tokens(-0.1, -0.2, -0.3, -0.4, words=["a", "b", "c", "d"], margin=0.5)
-    other = h.tokens(-0.15, -0.3, -5.0, -9.0, words=["a", "b", "x", "d"])  # the gaps after the flip are not counted
+    # The gaps after the flip are not counted.
+    other = h.tokens(-0.15, -0.3, -5.0, -9.0, words=["a", "b", "x", "d"], margin=0.5)
     assert race.deviation(other, fresh, 1.0) == pytest.approx(0.1)
+    # At the flip the context is still shared: c listed by both moved by 1.2, and that counts.
+    flipped = (*other[:2], TokenLogprob("x", -0.5, (("x", -0.5), ("c", -1.5))), *other[3:])
+    assert race.deviation(flipped, fresh, 1.0) == pytest.approx(1.2)
 
 
-def test_a_near_tie_flip_at_the_first_token_deviates_by_nothing() -> None:
-    fresh = h.tokens(-0.6, -0.2, words=["a", "b"], margin=0.1)
-    assert race.deviation(h.tokens(-0.7, -0.2, words=["x", "b"]), fresh, 1.0) == 0.0
+def test_a_near_tie_flip_at_the_first_token_compares_that_position() -> None:
+    # Recomputation chose a over x by 0.1; the answer chose x over a by 0.4: a moved by 0.4, x by 0.1.
+    fresh = (TokenLogprob("a", -0.6, (("a", -0.6), ("x", -0.7))), *h.tokens(-0.2, words=["b"]))
+    other = (TokenLogprob("x", -0.4, (("x", -0.4), ("a", -1.0))), *h.tokens(-0.2, words=["b"]))
+    assert race.deviation(other, fresh, 1.0) == pytest.approx(0.4)
+    assert race.deviation(fresh, fresh, 1.0) == 0.0
 
 
 def test_a_near_tie_flip_forgives_the_lengths_parting_after_it() -> None:
     fresh = h.tokens(-0.1, -0.2, -0.3, words=WORDS, margin=0.5)
-    shorter = h.tokens(-0.12, -0.2, words=["alpha", "charlie"])
+    shorter = h.tokens(-0.12, -0.2, words=["alpha", "charlie"], margin=0.5)
     assert race.deviation(shorter, fresh, 1.0) == pytest.approx(0.02)
 
 
@@ -284,7 +360,7 @@ def test_a_flip_where_recomputation_was_sure_is_infinite(margin: float) -> None:
 def test_the_hard_margin_decides_what_a_confident_flip_is() -> None:
     assert race.deviation(FLIPPED, ANSWER, 1.0) == INF  # ANSWER's margins are 2 nats
     assert race.deviation(FLIPPED, ANSWER, 2.5) == 0.0
-    assert race.deviation(FLIPPED, TIED, 1.0) == 0.0  # TIED's are 0.5
+    assert race.deviation(FLIPPED_TIED, TIED, 1.0) == 0.0  # TIED's are 0.5
 
 
 @pytest.mark.parametrize(
@@ -431,7 +507,8 @@ def test_confident_flips_in_followups_only_are_corruption_through_the_fisher_tes
 
 def test_near_tie_flips_in_followups_are_noise() -> None:
     # The same flips where recomputation hesitated (margin 0.5 < hard_margin 1): no hard divergence.
-    finding = divergence(deviating_race(FISHER_COLD, FISHER_HITS, followups=4, follow_fresh=TIED))
+    near_ties = (*(FLIPPED_TIED,) * 6, *(TIED,) * 10)
+    finding = divergence(deviating_race(FISHER_COLD, near_ties, followups=4, follow_fresh=TIED))
     assert finding.status is Status.PASS, finding.reason
     assert finding.figures["hit_deviation"]["hard"] == 0
     # and under a hard margin above ANSWER's 2 nats the confident flips are near-ties too
