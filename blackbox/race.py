@@ -2,15 +2,20 @@
 
 K identical cold prompts of 1-3 blocks go to the treatment at once, so their prefills share a small step budget
 and are cut into chunks that end mid-block; a chunk-end state stored as a block's boundary snapshot is then
-cached under the boundary's hash. Follow-ups (the prompt, a short answer and a long new question) then resume
-from the boundaries the race wrote, and each is also sent on a fresh salt (recomputation).
+cached under the boundary's hash. Each racer decodes through the block its prompt ends in, so decode completes
+that block and it is cached too. Follow-ups (the prompt, a racer's answer or a short one, and a block-long new
+question) then resume from the boundaries the race wrote, and each is also sent on a fresh salt (recomputation).
+Under MTP the lookup drops the last matched block: a follow-up with a short answer resumes a block below the
+prompt's end (nothing, for a prompt under two blocks), one that re-sends the answer a block further.
 
 Grading. A correct engine is not bit-exact here: recomputation chunks the prefill differently from the race,
-which moves logprobs slightly (measured on the CPU pair: first-token |Δ| up to 0.06, no token flips). The noise
-is measured inside the same run: racers that hit nothing were computed cold under the race's chunking, so their
-deviation from recomputation is the legitimate chunking noise. Follow-ups that resumed from a race-written
-boundary must not deviate more. Where every cold racer is bit-identical to recomputation the engine is exact for
-this geometry, and any follow-up difference is evidence on its own.
+which moves logprobs slightly (measured on the CPU pair: |Δ| over the top-5 up to 0.5, no confident token
+flips). The noise is measured inside the same run: racers that hit nothing were computed cold under the race's
+chunking, so their deviation from recomputation is the legitimate chunking noise. Follow-ups that resumed from a
+race-written boundary must not deviate more. A deviation compares whole next-token distributions (every token
+both sides list in their top-k) up to and including the first differing token, since a wrong state moves the
+runners-up and flips near-ties as readily as it moves the chosen token. Where every cold racer is bit-identical
+to recomputation the engine is exact for this geometry, and any follow-up difference is evidence on its own.
 
 Trigger proof: a round computed more prompt tokens than the largest engine step in the server's
 `vllm:iteration_tokens_total` histogram over the race (or than a stated `--max-num-batched-tokens`), so prefills
@@ -215,6 +220,7 @@ def race_divergence(history: History, rounds: Sequence[RaceRound], alpha: float,
         "hit_identical": sum(h.identical for h in hit),
         "cold_deviation": _summary([c.deviation for c in cold]),
         "hit_deviation": _summary([h.deviation for h in hit]),
+        "distinct_outputs": _distinct_outputs(history, rounds),
     }
     if not hit or not cold:
         why = f"{len(hit)} follow-ups resumed from race-written blocks, {len(cold)} cold racers to calibrate on"
@@ -268,6 +274,26 @@ def race_divergence(history: History, rounds: Sequence[RaceRound], alpha: float,
         f"noise (smallest p = {smallest:.3g} >= {level:.3g})",
         **figures,
     )
+
+
+def _distinct_outputs(history: History, rounds: Sequence[RaceRound]) -> dict[int, dict[str, int]]:
+    """Per round: how many different answers the identical racers gave, and how many follow-ups' answers differ
+    from their recomputation's (the text-level view of the same evidence)."""
+    out: dict[int, dict[str, int]] = {}
+    for r in rounds:
+        racers = (history.get(r.index, Arm.TREATMENT, f"race-{j}") for j in range(r.racers))
+        pairs = (
+            (
+                history.get(r.index, Arm.TREATMENT, f"follow-{f}"),
+                history.get(r.index, Arm.TREATMENT, f"follow-{f}-fresh"),
+            )
+            for f in range(r.followups)
+        )
+        out[r.index] = {
+            "racer_answers": len({e.text for e in racers if e is not None and e.ok}),
+            "followups_differing": sum(a.text != b.text for a, b in pairs if a and b and a.ok and b.ok),
+        }
+    return out
 
 
 def _summary(values: Sequence[float]) -> dict[str, float]:

@@ -629,6 +629,15 @@ def test_answers_without_logprobs_are_no_evidence() -> None:
     assert (finding.figures["hits"], finding.figures["cold"]) == (0, 0)
 
 
+def test_distinct_outputs_count_racer_answers_and_followups_that_read_differently() -> None:
+    exchanges = round_exchanges(R0)
+    texts = {"race-1": "alpha bravo three", "race-3": "alpha bravo three", "follow-1": "zulu"}
+    exchanges = [dataclasses.replace(e, text=texts.get(e.kind, e.text)) for e in exchanges]
+    history = with_rounds(healthy_race(1), exchanges)
+    figures = divergence(history).figures["distinct_outputs"]
+    assert figures == {R0: {"racer_answers": 2, "followups_differing": 1}}
+
+
 # --- largest_step -------------------------------------------------------------------------------------------
 
 
