@@ -106,7 +106,7 @@ def _first_difference(a: Sequence[TokenLogprob], b: Sequence[TokenLogprob]) -> d
     if len(a) != len(b):
         return {"position": min(len(a), len(b)), "what": f"length {len(a)} vs {len(b)}"}
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        if x.token != y.token or x.logprob != y.logprob or x.top != y.top:
+        if x != y:  # token, logprob and top-k alike
             return {"position": i, "what": f"{x.token!r} {x.logprob:.6g} vs {y.token!r} {y.logprob:.6g}"}
     return None
 

@@ -177,19 +177,12 @@ def deviation(answer: Sequence[TokenLogprob], fresh: Sequence[TokenLogprob], har
     return worst if len(answer) == len(fresh) else float("inf")
 
 
-def _identical(a: Sequence[TokenLogprob], b: Sequence[TokenLogprob]) -> bool:
-    return len(a) == len(b) and all(
-        x.token == y.token and x.logprob == y.logprob and x.top == y.top for x, y in zip(a, b, strict=True)
-    )
-
-
 def _compare(e: Exchange | None, ref: Exchange | None, hard_margin: float) -> _Sample | None:
     # Without logprobs two answers compare equal vacuously: such answers are no evidence.
     if e is None or ref is None or not (e.ok and ref.ok and e.tokens and ref.tokens):
         return None
-    return _Sample(
-        e.conversation, e.kind, deviation(e.tokens, ref.tokens, hard_margin), _identical(e.tokens, ref.tokens)
-    )
+    # TokenLogprob equality is token, logprob and top-k alike: bit for bit.
+    return _Sample(e.conversation, e.kind, deviation(e.tokens, ref.tokens, hard_margin), e.tokens == ref.tokens)
 
 
 def _samples(history: History, rounds: Sequence[RaceRound], hard_margin: float) -> tuple[list[_Sample], list[_Sample]]:

@@ -124,18 +124,17 @@ def load_history(run_dir: Path) -> tuple[dict[str, Any], History]:
                 **parsed,
             )
         )
+
+    def delta(before: Path, after: Path) -> MetricsDelta | None:
+        return MetricsDelta(parse(before.read_text()), parse(after.read_text())) if after.exists() else None
+
     deltas = {}
     for before in sorted((run_dir / "metrics").glob("*-before.prom")):
         arm = before.name.removesuffix("-before.prom")
-        after = before.with_name(f"{arm}-after.prom")
-        if after.exists():
-            deltas[arm] = MetricsDelta(parse(before.read_text()), parse(after.read_text()))
+        if (d := delta(before, before.with_name(f"{arm}-after.prom"))) is not None:
+            deltas[arm] = d
     window = run_dir / "metrics" / "race-window"
-    race_window = (
-        MetricsDelta(parse((window / "before.prom").read_text()), parse((window / "after.prom").read_text()))
-        if (window / "after.prom").exists()
-        else None
-    )
+    race_window = delta(window / "before.prom", window / "after.prom")
     rounds = tuple(RaceRound(**r) for r in race["rounds"])
     history = History(
         geometry["block_size"], tuple(plans), tuple(exchanges), deltas, rounds, race.get("budget"), race_window
