@@ -107,7 +107,6 @@ def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | 
 def execute(config: RunConfig, out: Path, command: Sequence[str], log_dir: Path | None = None) -> RunResult:
     store = RunStore(out, new_run_id(config.seed))
     try:
-        store.write_json("config.json", config.to_json())
         store.write_text("command.txt", shlex.join(command) + "\n")
         result = asyncio.run(run(config, store, ProgressLine()))
         if log_dir is not None:
@@ -154,9 +153,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _grade(args: argparse.Namespace) -> int:
-    if not (args.run_dir / "exchanges.jsonl").is_file():
+    missing = [f for f in ("config.json", "geometry.json", "exchanges.jsonl") if not (args.run_dir / f).is_file()]
+    if missing:
         raise errors.UsageError(
-            f"{args.run_dir} is not a blackbox run folder (no exchanges.jsonl)",
+            f"{args.run_dir} is not a blackbox run folder (no {', '.join(missing)})",
             hint="pass a folder under runs/ that a `blackbox run` wrote",
         )
     data, history = load_history(args.run_dir)

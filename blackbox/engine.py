@@ -40,6 +40,7 @@ async def run(config: RunConfig, store: RunStore, progress: Progress | None = No
     """Never raises a BlackboxError: an endpoint or geometry failure becomes the verdict, and the store keeps
     what was recorded up to it."""
     started = time.monotonic()
+    store.write_json("config.json", config.to_json())  # first, so even a run cut short can be read and replayed
     urls = {Arm.TREATMENT: config.treatment, Arm.CONTROL: config.control}
     if config.reference:
         urls[Arm.REFERENCE] = config.reference

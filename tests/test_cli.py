@@ -66,3 +66,11 @@ def test_demo_rejects_an_unknown_profile(tmp_path: Path, capsys: pytest.CaptureF
 def test_grade_refuses_a_folder_that_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["grade", str(tmp_path)]) == 3
     assert "not a blackbox run folder" in capsys.readouterr().err
+
+
+def test_grade_names_what_a_partial_run_folder_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A run that was cut short (or copied without its config) must not end in a traceback.
+    (tmp_path / "exchanges.jsonl").write_text("")
+    (tmp_path / "geometry.json").write_text('{"block_size": 16}')
+    assert main(["grade", str(tmp_path)]) == 3
+    assert "(no config.json)" in capsys.readouterr().err
