@@ -156,8 +156,6 @@ def test_exceedance_with_nothing_beyond_is_one() -> None:
 
 def test_exceedance_is_exact_under_exchangeability() -> None:
     # All orderings of 3 x-values among 6 are equally likely; P(top 2 are both x) = C(3,2)/C(6,2) = 0.2.
-    import itertools
-
     hits = 0
     orders = list(itertools.permutations(range(6)))
     for order in orders:
