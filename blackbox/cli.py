@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import shlex
 import sys
@@ -19,7 +18,7 @@ from blackbox.config import GRADERS, PROBES, Grading, RunConfig
 from blackbox.engine import RunResult, judge, run
 from blackbox.race import RaceSettings
 from blackbox.report import ProgressLine, summary
-from blackbox.store import RunStore, load_history, new_run_id
+from blackbox.store import RunStore, load_history, load_preflight, new_run_id
 from blackbox.workload import Shape
 
 __all__ = ["main"]
@@ -68,8 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--api-key-env", default="BLACKBOX_API_KEY", help="environment variable holding the API key")
     _common(r)
     g = sub.add_parser("grade", help="re-judge a stored run folder offline (no servers needed)")
+    # No --alpha here: choosing the significance level after seeing the data would void it.
     g.add_argument("run_dir", type=Path)
-    g.add_argument("--alpha", type=float, help="override the run's significance level")
     d = sub.add_parser("demo", help="build the tiny model, launch the CPU pair, run, print the verdict, stop")
     d.add_argument("--profile", default="cpu-tiny")
     d.add_argument("--no-reference", action="store_true", help="launch treatment and control only")
@@ -161,9 +160,7 @@ def _grade(args: argparse.Namespace) -> int:
         )
     data, history = load_history(args.run_dir)
     config = RunConfig.from_json(data)
-    if args.alpha is not None:
-        config = dataclasses.replace(config, grading=dataclasses.replace(config.grading, alpha=args.alpha))
-    verdict, grades = judge(history, config)
+    verdict, grades = judge(history, config, load_preflight(args.run_dir))
     print(summary(RunResult(verdict, history, grades, args.run_dir, 0.0)))
     return verdict.exit_code
 

@@ -84,6 +84,14 @@ class Endpoint:
             raise EndpointError(f"{self.arm}: /tokenize returned no count: {str(data)[:200]}")
         return count
 
+    async def tokenize(self, text: str) -> list[int]:
+        """Token ids of a plain text (no chat template): a fingerprint of the tokenizer."""
+        data = await self._post_json("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})
+        ids = data.get("tokens")
+        if not isinstance(ids, list):
+            raise EndpointError(f"{self.arm}: /tokenize returned no tokens: {str(data)[:200]}")
+        return [int(i) for i in ids]
+
     async def chat(self, body: Mapping[str, Any], *, conversation: int, kind: str) -> Exchange:
         """POST /v1/chat/completions; transport faults and bad responses come back as an Exchange with error."""
         case_id = f"c{conversation:03d}-{self.arm}-{kind}"
