@@ -158,28 +158,38 @@ async def drive(
     return rounds
 
 
-def _compare(e: Exchange | None, ref: Exchange | None, hard_margin: float) -> Sample | None:
+def _compare(e: Exchange | None, ref: Exchange | None, hard_margin: float, length: int | None = None) -> Sample | None:
     # Without logprobs two answers compare equal vacuously: such answers are no evidence.
     if e is None or ref is None or not (e.ok and ref.ok and e.tokens and ref.tokens):
         return None
+    mine, theirs = e.tokens[:length], ref.tokens[:length]
     # TokenLogprob equality is token, logprob and top-k alike: bit for bit.
-    return Sample(e.conversation, e.kind, deviation(e.tokens, ref.tokens, hard_margin), e.tokens != ref.tokens)
+    return Sample(e.conversation, e.kind, deviation(mine, theirs, hard_margin), mine != theirs)
 
 
 def _samples(history: History, rounds: Sequence[RaceRound], hard_margin: float) -> tuple[list[Sample], list[Sample]]:
-    """Cold racers against recomputation, and follow-ups that hit against theirs."""
+    """Cold racers against recomputation, and follow-ups that hit against theirs. Racers decode much longer than
+    follow-ups, and a longer answer has more positions to deviate at, so a racer is compared over as many tokens
+    as the round's longest follow-up answer: like against like."""
     cold: list[Sample] = []
     hit: list[Sample] = []
     for r in rounds:
+        follows = [
+            (
+                history.get(r.index, Arm.TREATMENT, f"follow-{f}"),
+                history.get(r.index, Arm.TREATMENT, f"follow-{f}-fresh"),
+            )
+            for f in range(r.followups)
+        ]
+        length = max((len(e.tokens) for e, _ in follows if e is not None and e.ok), default=0) or None
         fresh = history.get(r.index, Arm.TREATMENT, "race-fresh")
         for j in range(r.racers):
             e = history.get(r.index, Arm.TREATMENT, f"race-{j}")
-            sample = _compare(e, fresh, hard_margin)
+            sample = _compare(e, fresh, hard_margin, length)
             if sample is not None and e is not None and not e.cached_tokens:
                 cold.append(sample)
-        for f in range(r.followups):
-            e = history.get(r.index, Arm.TREATMENT, f"follow-{f}")
-            sample = _compare(e, history.get(r.index, Arm.TREATMENT, f"follow-{f}-fresh"), hard_margin)
+        for e, e_fresh in follows:
+            sample = _compare(e, e_fresh, hard_margin)
             if sample is not None and e is not None and e.cached_tokens:
                 hit.append(sample)
     return cold, hit
