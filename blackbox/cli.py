@@ -61,7 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     r = sub.add_parser("run", help="test live treatment and control endpoints")
     r.add_argument("--treatment", required=True, help="URL of the server under test (prefix caching + spec decode)")
-    r.add_argument("--control", required=True, help="URL of the same model with prefix caching off")
+    r.add_argument(
+        "--control",
+        help="URL of the same model with prefix caching off; without it (a staging smoke test) the treatment's own "
+        "answers with a fresh cache_salt are the control",
+    )
     r.add_argument("--reference", help="URL of the treatment's config without speculative decoding (logprob grader)")
     r.add_argument("--model", help="served model name (default: the first one each server lists)")
     r.add_argument("--api-key-env", default="BLACKBOX_API_KEY", help="environment variable holding the API key")
@@ -87,7 +91,7 @@ def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | 
     )
     return RunConfig(
         treatment=urls["treatment"] or "",
-        control=urls["control"] or "",
+        control=urls["control"],
         reference=urls.get("reference"),
         model=model,
         conversations=args.conversations,

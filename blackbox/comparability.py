@@ -126,11 +126,15 @@ def _same_answer(mine: Exchange, theirs: Exchange, hard_margin: float) -> tuple[
 
 def _roles(facts: Mapping[str, ArmFacts]) -> Finding:
     problems = []
-    treatment, control = facts[Arm.TREATMENT].snapshot, facts[Arm.CONTROL].snapshot
-    if geometry.prefix_caching(control) is True:
-        problems.append("the control has prefix caching on: start it with --no-enable-prefix-caching")
-    if control.value(metrics.DRAFTS) is None:
-        problems.append("the control runs no speculative decoding: start it with the treatment's --speculative-config")
+    treatment = facts[Arm.TREATMENT].snapshot
+    if Arm.CONTROL in facts:
+        control = facts[Arm.CONTROL].snapshot
+        if geometry.prefix_caching(control) is True:
+            problems.append("the control has prefix caching on: start it with --no-enable-prefix-caching")
+        if control.value(metrics.DRAFTS) is None:
+            problems.append(
+                "the control runs no speculative decoding: start it with the treatment's --speculative-config"
+            )
     if geometry.prefix_caching(treatment) is False:
         problems.append("the treatment has prefix caching off: start it with --enable-prefix-caching")
     if Arm.REFERENCE in facts:

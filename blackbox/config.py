@@ -31,7 +31,7 @@ class Grading:
 @dataclass(frozen=True)
 class RunConfig:
     treatment: str
-    control: str
+    control: str | None = None  # None: single-endpoint mode, the treatment's own no-reuse answers are the control
     reference: str | None = None
     model: str | None = None
     conversations: int = 32

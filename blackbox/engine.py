@@ -41,7 +41,9 @@ async def run(config: RunConfig, store: RunStore, progress: Progress | None = No
     what was recorded up to it."""
     started = time.monotonic()
     store.write_json("config.json", config.to_json())  # first, so even a run cut short can be read and replayed
-    urls = {Arm.TREATMENT: config.treatment, Arm.CONTROL: config.control}
+    urls = {Arm.TREATMENT: config.treatment}
+    if config.control:
+        urls[Arm.CONTROL] = config.control
     if config.reference:
         urls[Arm.REFERENCE] = config.reference
     endpoints = {
@@ -215,7 +217,7 @@ async def _conversation(
         out.append(await ask(arm, Kind.TURN2_FRESH, turn2_body(m2, shape, salt=fresh(Kind.TURN2))))
         control = (
             asyncio.create_task(ask(Arm.CONTROL, Kind.TURN2, turn2_body(m2, shape, salt=salt)))
-            if arm == Arm.TREATMENT
+            if arm == Arm.TREATMENT and Arm.CONTROL in endpoints
             else None
         )
         # The probe's hit ends in the prefill-written region; on the reference it measures whether this engine

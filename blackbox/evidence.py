@@ -55,6 +55,7 @@ def judge_samples(
     against: str,  # "the reference's"
     runs: int,  # conversations (or rounds) the subject came from, to say how many more would do
     hint: str,
+    run_unit: str = "conversations",
 ) -> Finding:
     counted = "differs" if not any(s.differs for s in yardstick) else "hard"
     counted_what = "differ from recomputation" if counted == "differs" else "flip a confident token"
@@ -67,7 +68,7 @@ def judge_samples(
             errors.InsufficientPower(
                 f"{len(subject)} {what} against {len(yardstick)} of {against} cannot reach p < {level:.3g} even if "
                 "every one were corrupt",
-                hint=f"run about {need} conversations" if need else "run more conversations",
+                hint=f"run about {need} {run_unit}" if need else f"run more {run_unit}",
             ),
             **base,
             conversations_needed=need,
@@ -81,7 +82,7 @@ def judge_samples(
         stats.fisher_greater(s_count, len(subject) - s_count, y_count, len(yardstick) - y_count),
     ]
     largest = max(yx)
-    power = _power(len(subject), len(yardstick), level, largest, what, runs)
+    power = _power(len(subject), len(yardstick), y_count, level, largest, what, runs, run_unit)
     figures = {
         **base,
         "alpha_per_test": level,
@@ -93,8 +94,11 @@ def judge_samples(
         "subject_identical": sum(not s.differs for s in subject),
         "yardstick_identical": sum(not s.differs for s in yardstick),
         "p_values": {name: t.p_value for name, t in zip(_TESTS, tests, strict=True)},
+        # Every sample any test could have counted against the treatment: beyond the yardstick, or counted.
         "mismatches": [
-            {"unit": s.unit, "kind": s.label, "deviation": s.deviation} for s in subject if s.deviation > largest
+            {"unit": s.unit, "kind": s.label, "deviation": s.deviation}
+            for s in subject
+            if s.deviation > largest or getattr(s, counted)
         ],
         **power[1],
     }
@@ -105,7 +109,7 @@ def judge_samples(
             errors.CorruptionDetected(
                 f"{what} deviate from recomputation more than {against} do: {'; '.join(failed)} (< {level:.3g}); "
                 f"{s_count}/{len(subject)} {counted_what} vs {y_count}/{len(yardstick)}; "
-                f"{len(figures['mismatches'])} beyond the largest of {against} ({_nat(largest)})",
+                f"{sum(s.deviation > largest for s in subject)} beyond the largest of {against} ({_nat(largest)})",
                 hint=hint,
             ),
             **figures,
@@ -119,18 +123,28 @@ def judge_samples(
     )
 
 
-def _power(n_s: int, n_y: int, level: float, largest: float, what: str, runs: int) -> tuple[str, dict[str, Any]]:
-    critical = stats.exceedance_critical(n_s, n_y, level)
+def _power(
+    n_s: int, n_y: int, y_count: int, level: float, largest: float, what: str, runs: int, run_unit: str
+) -> tuple[str, dict[str, Any]]:
+    """The detectable size. Beyond a finite largest yardstick deviation, the exceedance test's critical count;
+    where the yardstick itself holds a confident flip nothing lies beyond it, so the count test's (Fisher's)
+    critical count of flipped subject samples, given the yardstick's, is what the run could see."""
+    for20 = None
+    if largest == math.inf:
+        critical = stats.fisher_critical(n_s, n_y, y_count, level)
+        size = "confident token flips"
+    else:
+        critical = stats.exceedance_critical(n_s, n_y, level)
+        size = f"a deviation beyond {_nat(largest)}" if largest > 0 else "any difference from recomputation"
+        for20 = stats.conversations_needed(runs, n_s, level, 0.2, POWER)
     q = stats.detectable_fraction(n_s, critical, POWER)
-    for20 = stats.conversations_needed(runs, n_s, level, 0.2, POWER)
-    size = f"a deviation beyond {_nat(largest)}" if largest > 0 else "any difference from recomputation"
     sentence = (
         f"{size} in >= {q:.0%} of {what} would have been detected with probability {POWER}"
         if q is not None
-        else f"only {size} in every one of the {what} could have been detected"
+        else f"not even {size} in every one of the {what} could have been detected"
     )
     if for20 and (q is None or q > 0.2):
-        sentence += f"; 20% would need about {for20} conversations"
+        sentence += f"; 20% would need about {for20} {run_unit}"
     figures = {
         "detectable_fraction": q,
         "detectable_deviation": largest,

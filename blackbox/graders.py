@@ -43,16 +43,20 @@ __all__ = ["GRADER_COVERS_TRIGGER", "Grades", "exactness", "grade", "logprob", "
 Region = Callable[[Plan, int], bool]  # (plan, cached tokens) -> the hit ends in the region
 
 
-def samples(history: History, arm: str, hit: str, fresh: str, region: Region, hard_margin: float) -> list[Sample]:
-    """Hits of `arm` whose cached length lies in `region`, each against its no-reuse twin. Answers without
-    logprobs are left out: two empty lists compare equal vacuously (a gate reports them)."""
+def samples(
+    history: History, arm: str, pairs: Sequence[tuple[str, str]], region: Region, hard_margin: float
+) -> list[Sample]:
+    """Hits of `arm` (request kinds `pairs`: hit, no-reuse twin) whose cached length lies in `region`, each
+    against its twin. Answers without logprobs are left out: two empty lists compare equal vacuously (a gate
+    reports them)."""
     out = []
     for plan in history.plans:
-        a, b = history.get(plan.index, arm, hit), history.get(plan.index, arm, fresh)
-        if a is None or b is None or not (a.ok and b.ok and a.tokens and b.tokens):
-            continue
-        if region(plan, a.cached_tokens or 0):
-            out.append(Sample(plan.index, hit, deviation(a.tokens, b.tokens, hard_margin), a.tokens != b.tokens))
+        for hit, fresh in pairs:
+            a, b = history.get(plan.index, arm, hit), history.get(plan.index, arm, fresh)
+            if a is None or b is None or not (a.ok and b.ok and a.tokens and b.tokens):
+                continue
+            if region(plan, a.cached_tokens or 0):
+                out.append(Sample(plan.index, hit, deviation(a.tokens, b.tokens, hard_margin), a.tokens != b.tokens))
     return out
 
 
@@ -60,13 +64,14 @@ def samples(history: History, arm: str, hit: str, fresh: str, region: Region, ha
 class _Comparison:
     check: str
     region: str  # what the hits are, for messages
-    hit: str
-    fresh: str
+    pairs: tuple[tuple[str, str], ...]  # (hit, no-reuse twin) request kinds
     where: Region
 
 
-_EXACTNESS = _Comparison("exactness", "prefill-region", Kind.PROBE, Kind.PROBE_FRESH, in_prefill_region)
-_LOGPROB = _Comparison("logprob", "decode-region", Kind.TURN2, Kind.TURN2_FRESH, in_decode_region)
+_BOTH = ((Kind.PROBE, Kind.PROBE_FRESH), (Kind.TURN2, Kind.TURN2_FRESH))
+# A turn-2 hit that stops inside the prompt (a missing decode checkpoint) is a prefill-region hit like the probe.
+_EXACTNESS = _Comparison("exactness", "prefill-region", _BOTH, in_prefill_region)
+_LOGPROB = _Comparison("logprob", "decode-region", _BOTH[1:], in_decode_region)
 
 
 def exactness(history: History, grading: Grading, alpha: float | None = None) -> Finding:
@@ -84,8 +89,8 @@ def _versus_reference(history: History, grading: Grading, c: _Comparison, alpha:
             "needs a reference server (the treatment's flags without speculative decoding): without one this run "
             f"cannot measure how far a correct engine's {c.region} hits deviate from recomputation",
         )
-    t = samples(history, Arm.TREATMENT, c.hit, c.fresh, c.where, grading.hard_margin)
-    r = samples(history, Arm.REFERENCE, c.hit, c.fresh, c.where, grading.hard_margin)
+    t = samples(history, Arm.TREATMENT, c.pairs, c.where, grading.hard_margin)
+    r = samples(history, Arm.REFERENCE, c.pairs, c.where, grading.hard_margin)
     if not t or not r:
         return _not_used(c.check, f"no {c.region} hits to compare (treatment {len(t)}, reference {len(r)})")
     worst = sorted(t, key=lambda s: -s.deviation)[:5]
@@ -113,7 +118,8 @@ def recall(history: History, grading: Grading, alpha: float | None = None) -> Fi
             history.get(plan.index, Arm.TREATMENT, Kind.TURN2),
             history.get(plan.index, Arm.TREATMENT, Kind.TURN2_FRESH),
         )
-        control = history.get(plan.index, Arm.CONTROL, Kind.TURN2)
+        # Single-endpoint mode: the treatment's own no-reuse answer is the only baseline.
+        control = history.get(plan.index, Arm.CONTROL, Kind.TURN2) or fresh
         if hit is None or fresh is None or control is None or not (hit.ok and fresh.ok and control.ok):
             continue
         if reaches_decode_region(history, plan.index, Arm.TREATMENT):
@@ -159,7 +165,7 @@ def recall(history: History, grading: Grading, alpha: float | None = None) -> Fi
             errors.InsufficientPower(
                 f"{len(right)} decode-region hits whose baselines recalled cannot reach p < {alpha:.3g} even if every "
                 "one flipped",
-                hint=f"run more conversations (at least {math.ceil(math.log2(1 / alpha)) + 1} recalled hits)",
+                hint=f"run more conversations (at least {math.floor(math.log2(1 / alpha)) + 1} recalled hits)",
             ),
             **figures,
         )
@@ -206,38 +212,44 @@ class Grades:
     alpha_per_grader: float | None = None
 
 
-_NOT_USABLE = (errors.NoEvidence, errors.InsufficientPower, errors.ControlQualityFailure)
+_NOT_USABLE = {e.__name__ for e in (errors.NoEvidence, errors.InsufficientPower, errors.ControlQualityFailure)}
 
 
 def grade(history: History, grading: Grading, probes: Sequence[str] = ("multiturn",)) -> Grades:
     """Run the graders the probes allow, at one alpha split over those that are used.
 
-    First every candidate is asked at an equal split whether it has evidence and power; then those that do are
-    run at alpha / (how many there are). Power only grows with alpha, so a grader usable in the first round stays
-    usable in the second. In auto mode an unusable grader is left out and said why; a grader named with --grader
-    stays in, so the verdict is UNKNOWN without its evidence."""
+    A grader with no evidence even at the whole alpha takes no share. The others are run at alpha / (how many
+    remain); any that cannot reach significance at that share drops out and the rest are run again at the larger
+    share, until every grader left is usable at its share (the set only shrinks, so this ends). In auto mode an
+    unusable grader is left out and said why; a grader named with --grader stays in, so the verdict is UNKNOWN
+    without its evidence."""
     functions: dict[str, GraderFunction] = {}
     if "multiturn" in probes:
         functions |= {name: GRADER_FUNCTIONS[name] for name in (grading.graders or GRADERS)}
     if "cold-race" in probes:
         functions["race-divergence"] = _race
     named = set(grading.graders) | ({"race-divergence"} if "cold-race" in probes else set())
-    first = {
-        name: _call(name, fn, history, grading, grading.alpha / max(1, len(functions)))
-        for name, fn in functions.items()
-    }
-    usable = [name for name, f in first.items() if f.status in (Status.PASS, Status.FAIL)]
-    share = grading.alpha / max(1, len(usable))
+    latest = {name: _call(name, fn, history, grading, grading.alpha) for name, fn in functions.items()}
+    usable = [name for name, f in latest.items() if _usable(f)]
+    while usable:
+        share = grading.alpha / len(usable)
+        latest |= {name: _call(name, functions[name], history, grading, share) for name in usable}
+        still = [name for name in usable if _usable(latest[name])]
+        if still == usable:
+            break
+        usable = still
     findings: list[Finding] = []
     not_used: list[tuple[str, str]] = []
-    for name, fn in functions.items():
-        if name in usable:
-            findings.append(_call(name, fn, history, grading, share))
-        elif name in named or first[name].error_class not in {e.__name__ for e in _NOT_USABLE}:
-            findings.append(first[name])  # asked for by name, or a grader's crash: never left out quietly
+    for name, finding in latest.items():
+        if name in usable or name in named or finding.error_class not in _NOT_USABLE:
+            findings.append(finding)  # used, asked for by name, or a grader's crash: never left out quietly
         else:
-            not_used.append((name, first[name].reason))
-    return Grades(tuple(findings), tuple(usable), tuple(not_used), share if usable else None)
+            not_used.append((name, finding.reason))
+    return Grades(tuple(findings), tuple(usable), tuple(not_used), grading.alpha / len(usable) if usable else None)
+
+
+def _usable(finding: Finding) -> bool:
+    return finding.status in (Status.PASS, Status.FAIL)
 
 
 def _call(name: str, fn: GraderFunction, history: History, grading: Grading, alpha: float) -> Finding:

@@ -213,9 +213,11 @@ def race_divergence(history: History, rounds: Sequence[RaceRound], alpha: float,
         against="the cold racers'",
         runs=len(rounds),
         hint="replay the listed rounds with the commands in the run folder's replay/",
+        run_unit="race rounds",
     )
-    mode = "exact" if finding.figures.get("counted") == "differs" else "noise"
-    return replace(finding, figures={**finding.figures, **extra, "mode": mode})
+    if "counted" in finding.figures:
+        extra["mode"] = "exact" if finding.figures["counted"] == "differs" else "noise"
+    return replace(finding, figures={**finding.figures, **extra})
 
 
 def _distinct_outputs(history: History, rounds: Sequence[RaceRound]) -> dict[int, dict[str, int]]:

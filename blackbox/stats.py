@@ -24,6 +24,7 @@ __all__ = [
     "detectable_fraction",
     "exceedance",
     "exceedance_critical",
+    "fisher_critical",
     "fisher_greater",
     "mann_whitney_greater",
     "min_p_sign",
@@ -111,6 +112,11 @@ def min_p_sign(n: int) -> float:
 def exceedance_critical(n1: int, n2: int, alpha: float) -> int | None:
     """The fewest x beyond max(y) that the exceedance test calls significant at `alpha`; None if none can."""
     return next((m for m in range(1, n1 + 1) if _exceed_p(n1, n2, m) < alpha), None)
+
+
+def fisher_critical(n1: int, n2: int, count2: int, alpha: float) -> int | None:
+    """The fewest of n1 counted (against `count2` of n2) that Fisher's one-sided test calls significant."""
+    return next((a for a in range(1, n1 + 1) if fisher_greater(a, n1 - a, count2, n2 - count2).p_value < alpha), None)
 
 
 def sign_critical(n: int, alpha: float) -> int | None:

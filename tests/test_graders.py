@@ -71,7 +71,7 @@ def test_without_top_lists_the_chosen_token_is_compared() -> None:
 def test_answers_without_logprobs_are_not_samples() -> None:
     # Two empty lists compare equal vacuously: such a pair must not count as a bit-identical hit.
     history = probe_history([(), 0.0], [0.0, 0.0])
-    found = graders.samples(history, Arm.TREATMENT, Kind.PROBE, Kind.PROBE_FRESH, in_prefill_region, 1.0)
+    found = graders.samples(history, Arm.TREATMENT, [(Kind.PROBE, Kind.PROBE_FRESH)], in_prefill_region, 1.0)
     assert [s.unit for s in found] == [1]
 
 
@@ -180,17 +180,21 @@ def test_a_treatment_within_the_references_noise_passes() -> None:
     assert broken.figures["p_values"]["deviations beyond the yardstick"] < LEVEL
 
 
-def test_turn2_hits_are_not_exactness_s() -> None:
-    # Exactness judges the probes only (the hits that end in the prefill-written region); turn-2 hits, in either
-    # region, are not its sample however far they are from recomputation.
+def test_turn2_hits_in_the_prompt_region_are_exactness_samples_decode_region_ones_not() -> None:
+    # A turn-2 hit that stopped inside the prompt (a decode checkpoint was missing) resumed from a prefill-written
+    # state like the probe: exactness judges it. A decode-region turn-2 hit belongs to logprob, however far off.
     far = h.tokens(-0.9, -0.7, -0.3)
-    turn2 = [e for i in range(12) for e in h.resumed(i, Arm.TREATMENT, cached=h.PROMPT_HIT, hit=CLEAN, fresh=far)]
-    turn2 += [e for i in range(12) for e in h.resumed(i + 12, Arm.TREATMENT, hit=CLEAN, fresh=far)]
-    history = probe_history(EXACT, EXACT, *turn2)
+    decode = [e for i in range(12) for e in h.resumed(i + 12, Arm.TREATMENT, hit=CLEAN, fresh=far)]
+    history = probe_history(EXACT, EXACT, *decode)
     history = h.history([h.plan(i) for i in range(24)], history.exchanges)
     finding = graders.exactness(history, GRADING)
     assert finding.status is Status.PASS, finding.reason
     assert finding.figures["n_subject"] == 12
+    prompt = [e for i in range(12) for e in h.resumed(i, Arm.TREATMENT, cached=h.PROMPT_HIT, hit=CLEAN, fresh=far)]
+    history = h.history(history.plans, [*history.exchanges, *prompt])
+    finding = graders.exactness(history, GRADING)
+    assert finding.status is Status.FAIL, finding.reason
+    assert finding.figures["n_subject"] == 24
 
 
 @pytest.mark.parametrize("cached", [None, 0, h.PROMPT + 1, h.DECODE_HIT])
@@ -319,11 +323,18 @@ def test_recall_needs_decode_region_hits() -> None:
     assert graders.recall(recall_history([HIT_LOST] * 8, cached=h.PROMPT + 1), GRADING).status is Status.FAIL
 
 
-@pytest.mark.parametrize(("arm", "kind"), [(Arm.CONTROL, Kind.TURN2), (Arm.TREATMENT, Kind.TURN2_FRESH)])
-def test_recall_needs_both_baselines(arm: str, kind: str) -> None:
+def test_recall_needs_the_no_reuse_answer() -> None:
     history = recall_history([HIT_LOST] * 8)
-    without = h.history(history.plans, [e for e in history.exchanges if (e.arm, e.kind) != (arm, kind)])
+    without = h.history(history.plans, [e for e in history.exchanges if e.kind != Kind.TURN2_FRESH])
     assert graders.recall(without, GRADING).error_class == "NoEvidence"
+
+
+def test_without_a_control_recall_judges_against_the_no_reuse_answer_alone() -> None:
+    # Single-endpoint mode (a staging smoke test): the treatment's fresh-salt answer is the only baseline.
+    history = recall_history([HIT_LOST] * 8)
+    alone = h.history(history.plans, [e for e in history.exchanges if e.arm != Arm.CONTROL])
+    finding = graders.recall(alone, GRADING)
+    assert finding.status is Status.FAIL and finding.figures["control_recall"] == 1.0
 
 
 # --- logprob: decode-region turn-2 hits, treatment against reference ------------------------------------------
@@ -452,9 +463,13 @@ def exactness_only(n: int = 8) -> History:
 
 
 def graded(n: int = 10, *, control: bool = False) -> History:
-    """Clean probes and clean decode-region turn-2 hits on treatment and reference; control answers if asked."""
+    """Clean probes and clean decode-region turn-2 hits on treatment and reference; with `control`, control
+    answers and a model that recalls, else one that cannot (so recall is not usable)."""
     history = probe_history([0.0] * n, [0.0] * n)
-    turn2 = [e for i in range(n) for arm in (Arm.TREATMENT, Arm.REFERENCE) for e in h.resumed(i, arm, hit=CLEAN)]
+    text = h.ANSWER if control else "a story"
+    turn2 = [
+        e for i in range(n) for arm in (Arm.TREATMENT, Arm.REFERENCE) for e in h.resumed(i, arm, hit=CLEAN, text=text)
+    ]
     controls = [h.exchange(i, Arm.CONTROL, Kind.TURN2, text=h.ANSWER) for i in range(n)] if control else []
     return h.history(history.plans, [*history.exchanges, *turn2, *controls])
 
@@ -547,3 +562,36 @@ def test_a_failing_grader_is_kept_in_auto_mode_at_its_full_share() -> None:
     assert merge(grades.findings).status is Status.FAIL
     # p = 1/256 fails at 0.01 but not at the first pass's 0.01/3: the second pass is what caught it
     assert graders.recall(history, GRADING, GRADING.alpha / 3).status is Status.PASS
+
+
+# --- what a finding lists and claims ------------------------------------------------------------------------
+
+
+def test_every_counted_sample_is_listed_for_replay_even_at_zero_deviation() -> None:
+    # Probes that differ only in their top list deviate by 0 (no shared token moved) yet count against an exact
+    # reference: the FAIL must list them, or its hint points at nothing.
+    toplist = (TokenLogprob("w0", -0.1, (("w0", -0.1), ("zz", -2.1))), *CLEAN[1:])
+    finding = graders.exactness(probe_history([toplist] * 8, EXACT), GRADING)
+    assert finding.status is Status.FAIL
+    assert len(finding.figures["mismatches"]) == 8
+    assert {m["deviation"] for m in finding.figures["mismatches"]} == {0.0}
+
+
+def test_a_yardstick_holding_a_confident_flip_states_power_by_the_count_test() -> None:
+    # Nothing lies beyond an infinite deviation, so the exceedance test can see nothing; the statement must come
+    # from the count (Fisher) test instead of claiming a fraction beyond "a confident token flip".
+    finding = graders.logprob(logprob_history([0.001] * 12, [0.001] * 12, hard_r=1), GRADING)
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["detectable_deviation"] == math.inf
+    assert "confident token flips in >=" in finding.reason
+    assert "beyond a confident token flip" not in finding.reason
+    q = finding.figures["detectable_fraction"]
+    assert q is not None and 0 < q < 1
+
+
+def test_a_grader_without_evidence_takes_no_share_of_alpha() -> None:
+    # Eight recalled rows reach p = 1/256 < 0.01 but not < 0.01/3: exactness and logprob have no reference here,
+    # so recall must be run at the whole alpha, not at a third of it.
+    grades = graders.grade(recall_history([HIT_LOST] * 8), GRADING)
+    assert grades.used == ("recall",) and grades.alpha_per_grader == GRADING.alpha
+    assert grades.findings[0].status is Status.FAIL

@@ -497,7 +497,7 @@ def test_a_round_too_small_to_fail_is_insufficient_power() -> None:
         assert (finding.figures["n_subject"], finding.figures["n_yardstick"]) == (FOLLOWUPS, RACERS)
         need = finding.figures["conversations_needed"]
         assert isinstance(need, int) and need > 1
-        assert f"run about {need} conversations" in finding.hint
+        assert f"run about {need} race rounds" in finding.hint
         assert "cannot reach p < " in finding.reason
     # the run length it names does have the power: at its yield, `need` rounds can fail
     assert divergence(repeated(need)).status is Status.PASS
