@@ -68,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--reference", help="URL of the treatment's config without speculative decoding (logprob grader)")
     r.add_argument("--model", help="served model name (default: the first one each server lists)")
+    r.add_argument(
+        "--treatment-metrics",
+        action="append",
+        metavar="URL",
+        help="a /metrics URL of one replica behind the treatment's router (repeat for each; they are summed); "
+        "per-request cached_tokens remain the trigger's ground truth",
+    )
     r.add_argument("--api-key-env", default="BLACKBOX_API_KEY", help="environment variable holding the API key")
     _common(r)
     g = sub.add_parser("grade", help="re-judge a stored run folder offline (no servers needed)")
@@ -104,6 +111,7 @@ def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | 
         probes=tuple(dict.fromkeys(args.probe or ("multiturn",))),
         race=RaceSettings(racers=args.racers),
         max_num_batched_tokens=args.max_num_batched_tokens,
+        treatment_metrics=tuple(getattr(args, "treatment_metrics", None) or ()),
     )
 
 

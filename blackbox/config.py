@@ -46,6 +46,7 @@ class RunConfig:
     probes: tuple[str, ...] = ("multiturn",)
     race: RaceSettings = field(default_factory=RaceSettings)
     max_num_batched_tokens: int | None = None  # the treatment's step budget, if /server_info is not offered
+    treatment_metrics: tuple[str, ...] = ()  # the /metrics URLs of replicas behind the treatment's router
 
     def __post_init__(self) -> None:
         _require(self.conversations >= 1, "--conversations must be at least 1")
@@ -92,6 +93,7 @@ class RunConfig:
                 "grading": Grading(**grading),
                 "race": RaceSettings(**race),
                 "probes": tuple(data.get("probes", ("multiturn",))),
+                "treatment_metrics": tuple(data.get("treatment_metrics", ())),
             }
         )
 

@@ -47,7 +47,14 @@ async def run(config: RunConfig, store: RunStore, progress: Progress | None = No
     if config.reference:
         urls[Arm.REFERENCE] = config.reference
     endpoints = {
-        arm: Endpoint(arm, url, api_key=config.api_key, model=config.model, timeout_s=config.timeout_s)
+        arm: Endpoint(
+            arm,
+            url,
+            api_key=config.api_key,
+            model=config.model,
+            timeout_s=config.timeout_s,
+            metrics_urls=config.treatment_metrics if arm == Arm.TREATMENT else (),
+        )
         for arm, url in urls.items()
     }
     history: History | None = None
