@@ -11,8 +11,13 @@
     │   ├── CounterReset              a counter went backwards (a server restarted mid-run)
     │   └── NoEvidence                no grader had anything to judge
     ├── UsageError                ERROR: bad input or configuration (exit 3)
-    └── EndpointError             ERROR: a server or the network failed (exit 4)
-        └── ServerStartError          a launched server died or never became healthy
+    │   └── ConfigMismatch            a server is not what the command says (wrong model, not vLLM, no key)
+    ├── EndpointError             ERROR: a server or the network failed (exit 4)
+    │   ├── ServerStartError          a launched server died or never became healthy
+    │   └── DeadlineExceeded          the run did not finish within --deadline
+    ├── InternalError             ERROR: an unexpected exception inside blackbox, a bug (exit 5)
+    ├── StorageError              ERROR: the run folder could not be written (disk full, permissions) (exit 6)
+    └── Interrupted               ERROR: SIGINT or SIGTERM stopped the run (exit 130)
 
 A FAIL is the server under test misbehaving; UNKNOWN and ERROR are never read as PASS.
 """
@@ -22,15 +27,20 @@ from __future__ import annotations
 __all__ = [
     "BlackboxError",
     "CacheNotLive",
+    "ConfigMismatch",
     "ControlQualityFailure",
     "CorruptionDetected",
     "CounterReset",
+    "DeadlineExceeded",
     "EndpointError",
     "GeometryUnsupported",
     "Inconclusive",
+    "InternalError",
+    "Interrupted",
     "NoEvidence",
     "ServerStartError",
     "SpecDecodeNotEngaged",
+    "StorageError",
     "TriggerNotExercised",
     "UsageError",
 ]
@@ -100,3 +110,23 @@ class EndpointError(BlackboxError):
 
 class ServerStartError(EndpointError):
     pass
+
+
+class ConfigMismatch(UsageError):
+    pass
+
+
+class DeadlineExceeded(EndpointError):
+    pass
+
+
+class InternalError(BlackboxError):
+    exit_code = 5
+
+
+class StorageError(BlackboxError):
+    exit_code = 6
+
+
+class Interrupted(BlackboxError):
+    exit_code = 130
