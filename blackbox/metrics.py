@@ -167,7 +167,7 @@ def parse(text: str, source: str = "/metrics", at: float = 0.0) -> MetricsSnapsh
             if family.type == "histogram" and s.name.endswith(("_count", "_bucket")):
                 counters.add(s.name)
             samples[(s.name.removesuffix("_total"), key[1])] = float(s.value)
-            if family.type in ("info", "gauge") and s.name.endswith("_info"):
+            if family.type in ("info", "gauge", "unknown") and s.name.endswith("_info"):
                 info[s.name] = dict(s.labels)
     return MetricsSnapshot(samples, info, frozenset(counters), text, created, at)
 
