@@ -55,7 +55,7 @@ class RunStore:
             return write()
         except OSError as exc:
             raise StorageError(
-                f"cannot write {self.path / name}: {exc.strerror or type(exc).__name__}",
+                f"cannot write {self.path / name}: {exc.strerror or exc or type(exc).__name__}",
                 hint="free disk space or fix the folder's permissions, then re-run",
             ) from exc
 
