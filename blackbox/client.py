@@ -114,16 +114,18 @@ class Endpoint:
     async def metrics(self) -> MetricsSnapshot:
         """Parse /metrics (summed over `metrics_urls` when given), keep a text-less copy in `scrapes` and report
         it to the watch (scrapes.jsonl)."""
-        at = self.watch.since_start()
         try:
             pages = [
                 (await self._get(path, missing_hint=self._metrics_gone_hint()), path)
                 for path in (self.metrics_urls or ("/metrics",))
             ]
+            # When the page arrived, not when it was asked for: two scrapes in flight at once are ordered by
+            # the state they show.
+            at = self.watch.since_start()
             snaps = [parse(r.text, source=f"{self.where}{p}" if p.startswith("/") else p, at=at) for r, p in pages]
             snap = snaps[0] if len(snaps) == 1 else combine(snaps)
         except BlackboxError as exc:
-            self.watch.on_scrape(self.arm, {"at": round(at, 3), "error": exc.message})
+            self.watch.on_scrape(self.arm, {"at": round(self.watch.since_start(), 3), "error": exc.message})
             raise
         self.scrapes.append(dataclasses.replace(snap, text="", info={}))
         self.watch.on_scrape(self.arm, snap.compact())

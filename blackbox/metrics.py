@@ -103,7 +103,8 @@ class MetricsDelta:
     during: Sequence[MetricsSnapshot] = ()  # every scrape taken between (and around) the two, in order
 
     def check_monotonic(self, arm: str) -> None:
-        found = restarts([self.before, *self.during, self.after])
+        # In time order: periodic scrapes go on while the settled `after` is read, so list order is not time order.
+        found = restarts(sorted([self.before, *self.during, self.after], key=lambda snap: snap.at))
         if found:
             raise CounterReset(
                 f"{arm}: {found[0]}: the server restarted mid-run"
