@@ -19,7 +19,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +93,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 class BlackboxOutcome:
     result: RunResult
     probe: str = "multiturn"
-    servers: tuple[ServerInfo, ...] = ()  # what each server said of itself (release, cache settings)
+    servers: Mapping[str, ServerInfo] = field(default_factory=dict)  # role -> its release and cache settings
 
     @property
     def status(self) -> Status:
@@ -117,10 +117,11 @@ class BlackboxOutcome:
         lines += ["evidence:", *(f"  {e}" for e in self.evidence() or [v.reason])]
         if v.hint:
             lines.append(f"next: {v.hint}")
-        for info in self.servers:
-            hint = trigger_hint(info)
-            if v.error_class == "TriggerNotExercised" and hint:
-                lines.append(f"server {info.url} (vLLM {info.version or 'unknown'}): {hint}")
+        treatment = self.servers.get("treatment")
+        hint = trigger_hint(treatment) if treatment is not None else ""
+        if v.error_class == "TriggerNotExercised" and hint and treatment is not None:
+            # The treatment alone: the control runs without prefix caching on purpose.
+            lines.append(f"treatment {treatment.url} (vLLM {treatment.version or 'unknown'}): {hint}")
         lines.append(f"run folder: {run}")
         replays = self.replays()
         lines += [f"replay: sh {p}" for p in replays[:_REPLAYS_SHOWN]]
@@ -244,7 +245,7 @@ def blackbox_result(
     FAIL and UNKNOWN reach the test, whose `assert_pass` fails it."""
     for role, info in blackbox_servers.items():
         request.node.user_properties.append((f"blackbox_{role}_vllm_version", info.version or "unknown"))
-    outcome = BlackboxOutcome(_blackbox_runs(blackbox_probe), blackbox_probe, tuple(blackbox_servers.values()))
+    outcome = BlackboxOutcome(_blackbox_runs(blackbox_probe), blackbox_probe, blackbox_servers)
     request.node.user_properties.extend(outcome.properties())
     if outcome.status is Status.ERROR:
         pytest.fail(outcome.report(), pytrace=False)

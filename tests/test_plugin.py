@@ -94,13 +94,15 @@ def test_an_option_outranks_its_environment_variable(tmp_path: Path) -> None:
     assert "skipped" not in output
 
 
-def outcome(tmp_path: Path, error: errors.BlackboxError, servers: tuple[ServerInfo, ...] = ()) -> BlackboxOutcome:
+def outcome(
+    tmp_path: Path, error: errors.BlackboxError, servers: dict[str, ServerInfo] | None = None
+) -> BlackboxOutcome:
     run = tmp_path / "runs" / "20261201-000000-s0"
     (run / "replay").mkdir(parents=True)
     for case in ("c003-treatment-turn2", "c003-treatment-probe", "c003-control-turn2", "c007-treatment-turn2"):
         (run / "replay" / f"{case}.sh").write_text("#!/bin/sh\ncurl ...\n")
     verdict = merge([Finding.passed("cache-live", "hits moved"), Finding.from_error("exactness", error, checked=12)])
-    return BlackboxOutcome(RunResult(verdict, None, None, run, 12.0), "multiturn", servers)
+    return BlackboxOutcome(RunResult(verdict, None, None, run, 12.0), "multiturn", servers or {})
 
 
 def test_a_failure_report_has_class_evidence_run_folder_and_replay(tmp_path: Path) -> None:
@@ -121,10 +123,15 @@ def test_a_failure_report_has_class_evidence_run_folder_and_replay(tmp_path: Pat
 
 def test_a_trigger_not_exercised_report_names_the_flag_the_server_release_lacks(tmp_path: Path) -> None:
     old = ServerInfo("http://127.0.0.1:8400", "0.28.0", {"block_size": "128", "mamba_cache_mode": "align"})
-    result = outcome(tmp_path, errors.TriggerNotExercised("0/32 turn-2 hits reached decode-written blocks"), (old,))
-    report = result.report()
+    # The control runs without prefix caching by design: its settings are no hint.
+    control = ServerInfo("http://127.0.0.1:8401", "0.28.0", {"block_size": "128", "enable_prefix_caching": "False"})
+    error = errors.TriggerNotExercised("0/32 turn-2 hits reached decode-written blocks")
+    report = outcome(tmp_path, error, {"treatment": old, "control": control}).report()
     assert "blackbox UNKNOWN (TriggerNotExercised)" in report
-    assert "vLLM 0.28.0 has no --prefix-cache-retention-interval (added in 0.29.0)" in report
+    assert (
+        "treatment http://127.0.0.1:8400 (vLLM 0.28.0): vLLM 0.28.0 has no --prefix-cache-retention-interval" in report
+    )
+    assert "8401" not in report and "prefix caching is off" not in report
 
 
 def test_the_plugin_runs_each_probe_against_the_cpu_pair(cpu_fleet: Fleet, tmp_path: Path) -> None:
@@ -154,5 +161,6 @@ def test_the_plugin_runs_each_probe_against_the_cpu_pair(cpu_fleet: Fleet, tmp_p
     text = failure.text or ""
     run = Path(props["blackbox_run_folder"][0])
     assert "blackbox UNKNOWN (TriggerNotExercised) [cold-race]" in text
+    assert "prefix caching is off" not in text  # the control's settings are never blamed
     assert f"run folder: {run}" in text and "replay: sh " in text, text
     assert (run / "verdict.json").is_file()
