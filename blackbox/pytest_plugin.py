@@ -49,6 +49,7 @@ ENV = {
     "max_num_batched_tokens": "BLACKBOX_MAX_NUM_BATCHED_TOKENS",
 }
 _REPLAYS_SHOWN = 3
+_GRADABLE = ("config.json", "geometry.json", "exchanges.jsonl")  # what `blackbox grade` reads
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -127,7 +128,8 @@ class BlackboxOutcome:
         lines += [f"replay: sh {p}" for p in replays[:_REPLAYS_SHOWN]]
         if len(replays) > _REPLAYS_SHOWN:
             lines.append(f"        ... {len(replays) - _REPLAYS_SHOWN} more in {run / 'replay'}")
-        lines.append(f"re-judge: blackbox grade {run}")
+        if all((run / f).is_file() for f in _GRADABLE):  # a run cut short before geometry cannot be re-judged
+            lines.append(f"re-judge: blackbox grade {run}")
         return "\n".join(lines) + "\n\n" + summary(self.result)
 
     def properties(self) -> list[tuple[str, object]]:

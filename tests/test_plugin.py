@@ -80,7 +80,7 @@ def test_env_urls_give_one_item_per_probe_and_an_unreachable_server_errors_with_
         assert props["blackbox_treatment_vllm_version"] == props["blackbox_control_vllm_version"] == ["unknown"]
         text = (error.text or "") + error.attrib.get("message", "")
         assert "blackbox ERROR (EndpointError)" in text and f"run folder: {run}" in text, text
-        assert f"re-judge: blackbox grade {run}" in text
+        assert "re-judge" not in text  # nothing was recorded to re-judge
 
 
 def test_an_option_outranks_its_environment_variable(tmp_path: Path) -> None:
@@ -99,6 +99,8 @@ def outcome(
 ) -> BlackboxOutcome:
     run = tmp_path / "runs" / "20261201-000000-s0"
     (run / "replay").mkdir(parents=True)
+    for name in ("config.json", "geometry.json", "exchanges.jsonl"):
+        (run / name).write_text("{}\n")
     for case in ("c003-treatment-turn2", "c003-treatment-probe", "c003-control-turn2", "c007-treatment-turn2"):
         (run / "replay" / f"{case}.sh").write_text("#!/bin/sh\ncurl ...\n")
     verdict = merge([Finding.passed("cache-live", "hits moved"), Finding.from_error("exactness", error, checked=12)])
@@ -163,4 +165,5 @@ def test_the_plugin_runs_each_probe_against_the_cpu_pair(cpu_fleet: Fleet, tmp_p
     assert "blackbox UNKNOWN (TriggerNotExercised) [cold-race]" in text
     assert "prefix caching is off" not in text  # the control's settings are never blamed
     assert f"run folder: {run}" in text and "replay: sh " in text, text
+    assert f"re-judge: blackbox grade {run}" in text
     assert (run / "verdict.json").is_file()
