@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from servers.compose import ENTRYPOINT, VLLM_IMAGE, _check_image, differences, render, services
-from servers.profiles import ROLES, build_specs
+from servers.compose import ENTRYPOINT, VLLM_IMAGE, _check_image, differences, launcher_specs, render, services
+from servers.profiles import ROLES
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -25,7 +25,8 @@ def committed() -> dict[str, Any]:
 
 
 def gpu_specs() -> list[Any]:
-    return build_specs("qwen3.6-27b-fp8", ROLES, cache_dir=ROOT / ".blackbox-cache")
+    """The launcher's specs for the committed file's preset, as the pinned image would run them."""
+    return launcher_specs()[0]
 
 
 def test_the_committed_file_is_what_the_presets_render_now() -> None:
@@ -90,7 +91,7 @@ def mutated(path: tuple[str, ...], change: Any) -> dict[str, Any]:
         (("services", "treatment", "environment"), lambda n, k: n[k].pop("VLLM_SERVER_DEV_MODE"), "environment"),
         (
             ("services", "control", "deploy", "resources", "reservations", "devices"),
-            lambda n, k: n[k][0].__setitem__("device_ids", ["0"]),
+            lambda n, k: n[k][0].__setitem__("device_ids", ["7"]),
             "control: GPUs",
         ),
         (("services", "treatment"), lambda n, k: n[k].__setitem__("ports", ["8100:8100"]), "publish no ports"),
