@@ -73,6 +73,17 @@ class ServerInfo:
             "notes": list(self.notes),
         }
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ServerInfo:
+        """Read back what `to_json` wrote (a run folder's record), so a re-judged run gives the same hint."""
+        return cls(
+            str(data["url"]),
+            data.get("version"),
+            {str(k): str(v) for k, v in (data.get("settings") or {}).items()},
+            tuple(data.get("sources") or ()),
+            tuple(data.get("notes") or ()),
+        )
+
 
 def parse_version(text: str | None) -> tuple[int, int, int] | None:
     """`0.29.0`, `0.29.1.dev12+gabc`, `v0.32.0+cpu` -> (major, minor, patch); None when unreadable."""
