@@ -270,8 +270,10 @@ def case_row(case: Case, records: Sequence[Mapping[str, Any]]) -> str:
     unknown = [r for r in runs if r["status"] in ("UNKNOWN", "ERROR")]
     passed = [r for r in runs if r["status"] == "PASS"]
     extended = [r for r in records if r not in runs]
-    length = _counts(str(r["length"]) for r in runs) + (f" ({len(extended)} seeds extended)" if extended else "")
     unit = "conv" if case.probe == "multiturn" else "rounds"
+    lengths = sorted({r["length"] for r in runs})
+    length = ", ".join(f"{n} ({sum(r['length'] == n for r in runs)} seeds)" for n in lengths) if extended else ""
+    length = length or ", ".join(map(str, lengths))
     fired = sum(r["fired"] for r in runs)
     candidates = fired + sum(r["skipped"] for r in runs)
     fire_txt = "-" if clean else f"{fired}/{candidates}" + (f" ({fired / candidates:.0%})" if candidates else "")
@@ -287,7 +289,7 @@ def case_row(case: Case, records: Sequence[Mapping[str, Any]]) -> str:
         str(len(passed)),
         _counts(c for r in fails for c in r["caught_by"]),
         f"{_spread([r['needed'] for r in fails if r['needed'] is not None])} {unit}",
-        f"{length} {unit}",
+        f"{length} {'conv' if case.probe == 'multiturn' else 'rounds per size'}",
         fire_txt,
         f"{statistics.median(r['wall_s'] for r in runs):.0f} s" if runs else "-",
         "; ".join(made),
