@@ -16,7 +16,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from blackbox.errors import EndpointError
 from blackbox.history import Exchange, TokenLogprob
-from blackbox.metrics import MetricsSnapshot, parse
+from blackbox.metrics import MetricsSnapshot, combine, parse
 
 __all__ = ["Endpoint", "parse_chat"]
 
@@ -34,10 +34,13 @@ class Endpoint:
         model: str | None = None,
         timeout_s: float = 300.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        metrics_urls: Sequence[str] = (),
     ) -> None:
         self.arm = arm
         self.base_url = base_url.rstrip("/")
         self.model = model
+        # Replicas behind a router: their /metrics summed stand for the one endpoint the requests go to.
+        self.metrics_urls = tuple(metrics_urls)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport)
 
@@ -74,7 +77,9 @@ class Endpoint:
         return None
 
     async def metrics(self) -> MetricsSnapshot:
-        return parse((await self._get("/metrics")).text)
+        if not self.metrics_urls:
+            return parse((await self._get("/metrics")).text)
+        return combine([parse((await self._get(url)).text) for url in self.metrics_urls])
 
     async def count_tokens(self, messages: Sequence[Mapping[str, str]], *, generation_prompt: bool = True) -> int:
         body = {"model": self.model, "messages": list(messages), "add_generation_prompt": generation_prompt}
@@ -83,6 +88,14 @@ class Endpoint:
         if not isinstance(count, int):
             raise EndpointError(f"{self.arm}: /tokenize returned no count: {str(data)[:200]}")
         return count
+
+    async def tokenize(self, text: str) -> list[int]:
+        """Token ids of a plain text (no chat template): a fingerprint of the tokenizer."""
+        data = await self._post_json("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})
+        ids = data.get("tokens")
+        if not isinstance(ids, list):
+            raise EndpointError(f"{self.arm}: /tokenize returned no tokens: {str(data)[:200]}")
+        return [int(i) for i in ids]
 
     async def chat(self, body: Mapping[str, Any], *, conversation: int, kind: str) -> Exchange:
         """POST /v1/chat/completions; transport faults and bad responses come back as an Exchange with error."""

@@ -31,7 +31,7 @@ class Grading:
 @dataclass(frozen=True)
 class RunConfig:
     treatment: str
-    control: str
+    control: str | None = None  # None: single-endpoint mode, the treatment's own no-reuse answers are the control
     reference: str | None = None
     model: str | None = None
     conversations: int = 32
@@ -46,6 +46,7 @@ class RunConfig:
     probes: tuple[str, ...] = ("multiturn",)
     race: RaceSettings = field(default_factory=RaceSettings)
     max_num_batched_tokens: int | None = None  # the treatment's step budget, if /server_info is not offered
+    treatment_metrics: tuple[str, ...] = ()  # the /metrics URLs of replicas behind the treatment's router
 
     def __post_init__(self) -> None:
         _require(self.conversations >= 1, "--conversations must be at least 1")
@@ -92,6 +93,7 @@ class RunConfig:
                 "grading": Grading(**grading),
                 "race": RaceSettings(**race),
                 "probes": tuple(data.get("probes", ("multiturn",))),
+                "treatment_metrics": tuple(data.get("treatment_metrics", ())),
             }
         )
 

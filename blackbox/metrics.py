@@ -6,7 +6,7 @@ A counter that went backwards means the server restarted mid-run: that is `Count
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +21,7 @@ __all__ = [
     "DRAFT_TOKENS",
     "MetricsDelta",
     "MetricsSnapshot",
+    "combine",
     "parse",
 ]
 
@@ -86,6 +87,17 @@ class MetricsDelta:
                     f"{arm}: counter {key[0]} went backwards ({b:g} -> {a:g}): the server restarted mid-run",
                     hint="check the server log for a crash or restart, then re-run",
                 )
+
+
+def combine(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
+    """Replicas behind one router as one server: counters summed per series, config labels from the first."""
+    samples: dict[tuple[str, Labels], float] = {}
+    for snap in snapshots:
+        for key, value in snap.samples.items():
+            samples[key] = samples.get(key, 0.0) + value
+    info = snapshots[0].info if snapshots else {}
+    counters = frozenset().union(*(s.counters for s in snapshots))
+    return MetricsSnapshot(samples, info, counters, "".join(s.text for s in snapshots))
 
 
 def parse(text: str) -> MetricsSnapshot:
