@@ -151,7 +151,7 @@ def reference_postprocess(
     rows_by_batch: bool = False,
 ) -> list[int]:
     """Returns the new accepted counts. new_computed: tokens computed after this step's acceptance.
-    rows_by_batch: block tables are indexed by position in `batch` (vLLM <= 0.30), else by request slot."""
+    rows_by_batch: block tables are indexed by position in `batch` (vLLM <= 0.31), else by request slot."""
     out = list(accepted)
     for position, req in enumerate(batch):
         if req < 0:
@@ -434,7 +434,7 @@ def test_register_is_inert_without_the_env_var(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_batch_row_ports_against_reference(seed: int) -> None:
-    # vLLM <= 0.30: a mapped launch reads the block table at the batch row, the counters at the slot.
+    # vLLM <= 0.31: a mapped launch reads the block table at the batch row, the counters at the slot.
     rng = random.Random(1000 + seed)
     postprocess, precopy = (ports(rows_by_batch=True)[name] for name in sorted(PORTS))
     block_size, num_reqs = 4, rng.randint(2, MAX_REQS)

@@ -168,7 +168,7 @@ def rows_by_batch(kernel: Any) -> bool:
     """Whether a mapped launch of this Mamba copy kernel reads block-table rows by batch index.
 
     Read from the kernel's source: the block-table row is the second argument of its
-    ``_copy_mamba_state_block`` call, ``req_idx`` (0.31+) or ``batch_idx``/``bt_row_idx`` (earlier).
+    ``_copy_mamba_state_block`` call, ``req_idx`` (0.32) or ``batch_idx``/``bt_row_idx`` (0.28-0.31).
     """
     fn = getattr(kernel, "fn", None) or getattr(kernel, "func", None) or kernel
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))

@@ -247,8 +247,8 @@ def _make_precopy(rows_by_batch: bool) -> Callable[..., None]:
     return precopy_mamba_align_fused_kernel
 
 
-# vLLM 0.31+ read a mapped launch's block-table row at the request slot (the default here); up to
-# 0.30 both kernels read it at the batch row. The V1 runner, the only one vLLM uses without Triton,
+# vLLM 0.32 reads a mapped launch's block-table row at the request slot (the default here); up to
+# 0.31 both kernels read it at the batch row. The V1 runner, the only one vLLM uses without Triton,
 # launches both unmapped on every version, where the two rules coincide.
 postprocess_mamba_fused_kernel = _make_postprocess(rows_by_batch=False)
 precopy_mamba_align_fused_kernel = _make_precopy(rows_by_batch=False)
