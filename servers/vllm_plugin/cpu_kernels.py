@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -105,137 +104,164 @@ class _Layout:
         ctypes.memmove(dst, src, inner_size * elem_size)
 
 
-def postprocess_mamba_fused_kernel(
-    num_accepted_tokens_ptr: torch.Tensor,
-    mamba_state_idx_ptr: torch.Tensor,
-    num_scheduled_tokens_ptr: torch.Tensor | None,
-    num_computed_tokens_ptr: torch.Tensor,
-    num_draft_tokens_ptr: torch.Tensor | None,
-    block_table_ptrs_ptr: torch.Tensor,
-    block_table_stride_req: int,
-    state_base_addrs_ptr: torch.Tensor,
-    state_block_strides_ptr: torch.Tensor,
-    state_elem_sizes_ptr: torch.Tensor,
-    state_inner_sizes_ptr: torch.Tensor,
-    state_conv_widths_ptr: torch.Tensor,
-    state_group_indices_ptr: torch.Tensor,
-    state_dim_row_count_ptr: torch.Tensor,
-    state_dim_row_stride_ptr: torch.Tensor,
-    num_accepted_tokens_out_ptr: torch.Tensor,
-    idx_mapping_ptr: torch.Tensor | None,
-    num_reqs: int,
-    block_size: int,
-    COPY_BLOCK_SIZE: int = 1024,
-    CONV_STATE_DIM_FIRST: bool = False,
-    HAS_IDX_MAPPING: bool = False,
-    PRECOMPUTED_NEW_COMPUTED: bool = False,
-    TEMPORAL_TILES: int = 1,
-) -> None:
-    """After sampling, save the running state to the last block boundary the accepted tokens crossed.
+def _make_postprocess(rows_by_batch: bool) -> Callable[..., None]:
+    """The postprocess port; ``rows_by_batch``: a mapped launch reads block-table rows by batch index."""
 
-    Parameter names and order are the Triton kernel's, so launches bind by name or by position.
-    """
-    layout = _Layout(
-        block_table_ptrs_ptr,
-        block_table_stride_req,
-        (
-            state_base_addrs_ptr,
-            state_block_strides_ptr,
-            state_elem_sizes_ptr,
-            state_inner_sizes_ptr,
-            state_conv_widths_ptr,
-            state_group_indices_ptr,
-            state_dim_row_count_ptr,
-            state_dim_row_stride_ptr,
-        ),
-        CONV_STATE_DIM_FIRST,
-    )
-    # Snapshot every input before any store, as the kernel's programs all read pre-launch values.
-    accepted = num_accepted_tokens_ptr.tolist()
-    state_idx = mamba_state_idx_ptr.tolist()
-    computed = num_computed_tokens_ptr.tolist()
-    if not PRECOMPUTED_NEW_COMPUTED:
-        assert num_scheduled_tokens_ptr is not None and num_draft_tokens_ptr is not None
-        scheduled = num_scheduled_tokens_ptr.tolist()
-        drafts = num_draft_tokens_ptr.tolist()
-    mapping = idx_mapping_ptr.tolist() if HAS_IDX_MAPPING and idx_mapping_ptr is not None else None
+    def postprocess_mamba_fused_kernel(
+        num_accepted_tokens_ptr: torch.Tensor,
+        mamba_state_idx_ptr: torch.Tensor,
+        num_scheduled_tokens_ptr: torch.Tensor | None,
+        num_computed_tokens_ptr: torch.Tensor,
+        num_draft_tokens_ptr: torch.Tensor | None,
+        block_table_ptrs_ptr: torch.Tensor,
+        block_table_stride_req: int,
+        state_base_addrs_ptr: torch.Tensor,
+        state_block_strides_ptr: torch.Tensor,
+        state_elem_sizes_ptr: torch.Tensor,
+        state_inner_sizes_ptr: torch.Tensor,
+        state_conv_widths_ptr: torch.Tensor,
+        state_group_indices_ptr: torch.Tensor,
+        state_dim_row_count_ptr: torch.Tensor,
+        state_dim_row_stride_ptr: torch.Tensor,
+        num_accepted_tokens_out_ptr: torch.Tensor,
+        idx_mapping_ptr: torch.Tensor | None,
+        num_reqs: int,
+        block_size: int,
+        COPY_BLOCK_SIZE: int = 1024,
+        CONV_STATE_DIM_FIRST: bool = False,
+        HAS_IDX_MAPPING: bool = False,
+        PRECOMPUTED_NEW_COMPUTED: bool = False,
+        TEMPORAL_TILES: int = 1,
+    ) -> None:
+        """After sampling, save the running state to the last block boundary the accepted tokens crossed.
 
-    for batch_idx in range(num_reqs):
-        req = mapping[batch_idx] if mapping is not None else batch_idx
-        if req < 0:
-            continue
-        num_accepted = accepted[req]
-        src_col = state_idx[req]
-        if PRECOMPUTED_NEW_COMPUTED:
-            new_computed = computed[req]
-            running = new_computed - num_accepted + 1
-        else:
-            running = computed[req] + scheduled[req] - drafts[req]
-            new_computed = running + num_accepted - 1
-        aligned = (new_computed // block_size) * block_size
-        if aligned < running:  # no block boundary reached by the accepted tokens
-            continue
-        token_bias = aligned - running
-        dst_col = aligned // block_size - 1
-        # The kernel's (state 0, tile 0) program stores this, so only when the grid has a state.
-        if src_col == dst_col and layout.states:
-            num_accepted_tokens_out_ptr[req] = 1
-        if src_col == dst_col and token_bias == 0:  # no-op self-copy
-            continue
-        layout.copy(req, src_col, dst_col, token_bias)
+        Parameter names and order are the Triton kernel's, so launches bind by name or by position.
+        """
+        layout = _Layout(
+            block_table_ptrs_ptr,
+            block_table_stride_req,
+            (
+                state_base_addrs_ptr,
+                state_block_strides_ptr,
+                state_elem_sizes_ptr,
+                state_inner_sizes_ptr,
+                state_conv_widths_ptr,
+                state_group_indices_ptr,
+                state_dim_row_count_ptr,
+                state_dim_row_stride_ptr,
+            ),
+            CONV_STATE_DIM_FIRST,
+        )
+        # Snapshot every input before any store, as the kernel's programs all read pre-launch values.
+        accepted = num_accepted_tokens_ptr.tolist()
+        state_idx = mamba_state_idx_ptr.tolist()
+        computed = num_computed_tokens_ptr.tolist()
+        if not PRECOMPUTED_NEW_COMPUTED:
+            assert num_scheduled_tokens_ptr is not None and num_draft_tokens_ptr is not None
+            scheduled = num_scheduled_tokens_ptr.tolist()
+            drafts = num_draft_tokens_ptr.tolist()
+        mapping = idx_mapping_ptr.tolist() if HAS_IDX_MAPPING and idx_mapping_ptr is not None else None
+
+        for batch_idx in range(num_reqs):
+            req = mapping[batch_idx] if mapping is not None else batch_idx
+            if req < 0:
+                continue
+            num_accepted = accepted[req]
+            src_col = state_idx[req]
+            if PRECOMPUTED_NEW_COMPUTED:
+                new_computed = computed[req]
+                running = new_computed - num_accepted + 1
+            else:
+                running = computed[req] + scheduled[req] - drafts[req]
+                new_computed = running + num_accepted - 1
+            aligned = (new_computed // block_size) * block_size
+            if aligned < running:  # no block boundary reached by the accepted tokens
+                continue
+            token_bias = aligned - running
+            dst_col = aligned // block_size - 1
+            # The kernel's (state 0, tile 0) program stores this, so only when the grid has a state.
+            if src_col == dst_col and layout.states:
+                num_accepted_tokens_out_ptr[req] = 1
+            if src_col == dst_col and token_bias == 0:  # no-op self-copy
+                continue
+            layout.copy(batch_idx if rows_by_batch else req, src_col, dst_col, token_bias)
+
+    return postprocess_mamba_fused_kernel
 
 
-def precopy_mamba_align_fused_kernel(
-    mamba_state_idx_ptr: torch.Tensor,
-    src_col_ptr: torch.Tensor,
-    token_bias_ptr: torch.Tensor,
-    block_table_ptrs_ptr: torch.Tensor,
-    block_table_stride_req: int,
-    state_base_addrs_ptr: torch.Tensor,
-    state_block_strides_ptr: torch.Tensor,
-    state_elem_sizes_ptr: torch.Tensor,
-    state_inner_sizes_ptr: torch.Tensor,
-    state_conv_widths_ptr: torch.Tensor,
-    state_group_indices_ptr: torch.Tensor,
-    state_dim_row_count_ptr: torch.Tensor,
-    state_dim_row_stride_ptr: torch.Tensor,
-    idx_mapping_ptr: torch.Tensor | None,
-    num_reqs: int,
-    COPY_BLOCK_SIZE: int = 1024,
-    CONV_STATE_DIM_FIRST: bool = False,
-    HAS_IDX_MAPPING: bool = True,
-    TEMPORAL_TILES: int = 1,
-) -> None:
-    """Before the forward pass, carry each request's running state into its new window block."""
-    layout = _Layout(
-        block_table_ptrs_ptr,
-        block_table_stride_req,
-        (
-            state_base_addrs_ptr,
-            state_block_strides_ptr,
-            state_elem_sizes_ptr,
-            state_inner_sizes_ptr,
-            state_conv_widths_ptr,
-            state_group_indices_ptr,
-            state_dim_row_count_ptr,
-            state_dim_row_stride_ptr,
-        ),
-        CONV_STATE_DIM_FIRST,
-    )
-    dst_cols = mamba_state_idx_ptr.tolist()
-    src_cols = src_col_ptr.tolist()
-    biases = token_bias_ptr.tolist()
-    mapping = idx_mapping_ptr.tolist() if HAS_IDX_MAPPING and idx_mapping_ptr is not None else None
+def _make_precopy(rows_by_batch: bool) -> Callable[..., None]:
+    """The precopy port; ``rows_by_batch``: block-table rows are read by batch index."""
 
-    for batch_idx in range(num_reqs):
-        req = mapping[batch_idx] if mapping is not None else batch_idx
-        if req < 0:
-            continue
-        src_col, dst_col = src_cols[req], dst_cols[req]
-        # Fresh request (-1) or still in the same block: the state is already where it is read.
-        if src_col < 0 or src_col == dst_col:
-            continue
-        layout.copy(req, src_col, dst_col, biases[req])
+    def precopy_mamba_align_fused_kernel(
+        mamba_state_idx_ptr: torch.Tensor,
+        src_col_ptr: torch.Tensor,
+        token_bias_ptr: torch.Tensor,
+        block_table_ptrs_ptr: torch.Tensor,
+        block_table_stride_req: int,
+        state_base_addrs_ptr: torch.Tensor,
+        state_block_strides_ptr: torch.Tensor,
+        state_elem_sizes_ptr: torch.Tensor,
+        state_inner_sizes_ptr: torch.Tensor,
+        state_conv_widths_ptr: torch.Tensor,
+        state_group_indices_ptr: torch.Tensor,
+        state_dim_row_count_ptr: torch.Tensor,
+        state_dim_row_stride_ptr: torch.Tensor,
+        idx_mapping_ptr: torch.Tensor | None,
+        num_reqs: int,
+        COPY_BLOCK_SIZE: int = 1024,
+        CONV_STATE_DIM_FIRST: bool = False,
+        HAS_IDX_MAPPING: bool = True,
+        TEMPORAL_TILES: int = 1,
+    ) -> None:
+        """Before the forward pass, carry each request's running state into its new window block."""
+        layout = _Layout(
+            block_table_ptrs_ptr,
+            block_table_stride_req,
+            (
+                state_base_addrs_ptr,
+                state_block_strides_ptr,
+                state_elem_sizes_ptr,
+                state_inner_sizes_ptr,
+                state_conv_widths_ptr,
+                state_group_indices_ptr,
+                state_dim_row_count_ptr,
+                state_dim_row_stride_ptr,
+            ),
+            CONV_STATE_DIM_FIRST,
+        )
+        dst_cols = mamba_state_idx_ptr.tolist()
+        src_cols = src_col_ptr.tolist()
+        biases = token_bias_ptr.tolist()
+        mapping = idx_mapping_ptr.tolist() if HAS_IDX_MAPPING and idx_mapping_ptr is not None else None
+
+        for batch_idx in range(num_reqs):
+            req = mapping[batch_idx] if mapping is not None else batch_idx
+            if req < 0:
+                continue
+            src_col, dst_col = src_cols[req], dst_cols[req]
+            # Fresh request (-1) or still in the same block: the state is already where it is read.
+            if src_col < 0 or src_col == dst_col:
+                continue
+            layout.copy(batch_idx if rows_by_batch else req, src_col, dst_col, biases[req])
+
+    return precopy_mamba_align_fused_kernel
+
+
+# vLLM 0.32 reads a mapped launch's block-table row at the request slot (the default here); up to
+# 0.31 both kernels read it at the batch row. The V1 runner, the only one vLLM uses without Triton,
+# launches both unmapped on every version, where the two rules coincide.
+postprocess_mamba_fused_kernel = _make_postprocess(rows_by_batch=False)
+precopy_mamba_align_fused_kernel = _make_precopy(rows_by_batch=False)
+
+
+def ports(rows_by_batch: bool = False) -> dict[str, Callable[..., None]]:
+    """Kernel attribute in KERNEL_MODULE -> CPU port, with the given block-table row rule."""
+    if not rows_by_batch:
+        return dict(PORTS)
+    return {
+        "postprocess_mamba_fused_kernel": _make_postprocess(rows_by_batch=True),
+        "precopy_mamba_align_fused_kernel": _make_precopy(rows_by_batch=True),
+    }
 
 
 # Kernel attribute in KERNEL_MODULE -> CPU port.
@@ -243,39 +269,3 @@ PORTS: dict[str, Callable[..., None]] = {
     "postprocess_mamba_fused_kernel": postprocess_mamba_fused_kernel,
     "precopy_mamba_align_fused_kernel": precopy_mamba_align_fused_kernel,
 }
-
-
-def _is_installed(kernel: Any, port: Callable[..., None]) -> bool:
-    # The dispatcher's KernelOverride keeps the implementation in ``func``.
-    return getattr(kernel, "func", None) is port
-
-
-def install() -> bool:
-    """Register the ports through vLLM's Triton-kernel dispatcher; True if anything was registered.
-
-    Idempotent: vLLM loads general plugins in several processes, and may call them more than once;
-    re-registering would wrap the wrapper and log an "Overwriting" warning.
-    """
-    from vllm.platforms import current_platform
-    from vllm.triton_utils import HAS_TRITON
-
-    if HAS_TRITON or not current_platform.is_cpu():
-        # Real Triton kernels run there; a port reading device addresses from the host would crash.
-        logger.warning("blackbox cpu-kernels: not a CPU platform without Triton; nothing registered")
-        return False
-
-    import importlib
-
-    from vllm.triton_utils.dispatcher import register_kernels
-
-    module = importlib.import_module(KERNEL_MODULE)
-    pending = {
-        f"{KERNEL_MODULE}.{name}": port
-        for name, port in PORTS.items()
-        if not _is_installed(getattr(module, name), port)
-    }
-    if not pending:
-        return False
-    register_kernels(pending)
-    logger.info("blackbox cpu-kernels: registered CPU ports of %s", ", ".join(sorted(pending)))
-    return True
