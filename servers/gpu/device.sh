@@ -16,6 +16,8 @@ export PYTHONPATH="$W/bb:$W/site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export TRITON_CACHE_DIR="$W/cache/triton" VLLM_CACHE_ROOT="$W/cache/vllm" TORCHINDUCTOR_CACHE_DIR="$W/cache/inductor"
 # Dynamo recompiles go to the server logs: a crawl from recompiling shows there.
+# Nine servers compile at once on 16 cores: fewer inductor workers each.
+export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}
 export TORCH_LOGS="${TORCH_LOGS:-recompiles}"
 # Multicast stays off on these hosts (KINDS.md); set again in case a caller cleared it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -65,7 +67,7 @@ serve)
     done
     # Ports are base + the role's index, so the base is chosen to land on PORT.
     case "$role" in treatment) idx=0 ;; control) idx=1 ;; reference) idx=2 ;; *) echo "bad role $role" >&2; exit 3 ;; esac
-    (cd "$W/bb" && setsid nohup python3 -m servers.launch --profile gpu-tiny --roles "$role" \
+    (cd "$W/bb" && setsid nohup python3 -m servers.launch --profile "${BBGPU_PROFILE:-gpu-tiny}" --roles "$role" \
         --base-port $((port - idx)) --cache-dir "$W/models" --log-dir "$W/logs/$name" --timeout 1200 \
         "${launch[@]}" -- "$@" >"$W/logs/$name.launch" 2>&1 </dev/null &)
     stamp "serve $name ($role) on $port: $*"
