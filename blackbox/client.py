@@ -25,6 +25,7 @@ from tenacity import AsyncRetrying, RetryCallState, wait_exponential
 from blackbox.errors import BlackboxError, ConfigMismatch, EndpointError
 from blackbox.history import Exchange, TokenLogprob
 from blackbox.metrics import MetricsSnapshot, combine, is_vllm, parse
+from blackbox.server_info import ServerInfo, server_info
 from blackbox.watch import Watch
 
 __all__ = ["ATTEMPTS", "RETRY_BUDGET_S", "Endpoint", "parse_chat"]
@@ -135,6 +136,10 @@ class Endpoint:
         if self.scrapes:
             return "/metrics answered earlier in this run: did the server restart or get replaced mid-run?"
         return "is this a vLLM server? its /metrics page should list vllm:* counters"
+
+    async def info(self, snapshot: MetricsSnapshot | None = None) -> ServerInfo:
+        """Its vLLM release and the cache settings it tells (never raises: what it hides becomes a note)."""
+        return await server_info(self._http, snapshot)
 
     async def count_tokens(self, messages: Sequence[Mapping[str, str]], *, generation_prompt: bool = True) -> int:
         body = {"model": self.model, "messages": list(messages), "add_generation_prompt": generation_prompt}

@@ -121,6 +121,8 @@ async def _drive(
     before = {arm: await e.metrics() for arm, e in endpoints.items()}
     for arm, snap in before.items():
         store.write_text(f"metrics/{arm}-before.prom", snap.text)
+    infos = {arm: await e.info(before[arm]) for arm, e in endpoints.items()}
+    store.write_json("servers.json", {arm: info.to_json() for arm, info in infos.items()})
     salt = f"blackbox-{store.path.name}"
     facts = {arm: await comparability.gather(e, before[arm], salt, store.record) for arm, e in endpoints.items()}
     preflight = comparability.check(facts, config.grading.hard_margin)
@@ -162,6 +164,7 @@ async def _drive(
         tuple(rounds),
         config.max_num_batched_tokens,
         race_window,
+        infos[Arm.TREATMENT],
     )
     return history, geo, preflight
 

@@ -157,10 +157,11 @@ def blackbox_config(request: pytest.FixtureRequest) -> RunConfig:
     """Every probe named; each item runs the config narrowed to its own probe."""
     cfg = request.config
     treatment, control = _setting(cfg, "treatment"), _setting(cfg, "control")
-    if not treatment or not control:
+    if not treatment:
         raise pytest.UsageError(
-            "blackbox needs --blackbox-treatment URL and --blackbox-control URL "
-            f"(or {ENV['treatment']} and {ENV['control']}); a missing endpoint is an error, not a skip"
+            f"blackbox needs --blackbox-treatment URL (or {ENV['treatment']}), and --blackbox-control URL unless "
+            "the treatment's own no-reuse answers are the control (a staging smoke test); a missing endpoint is an "
+            "error, not a skip"
         )
     conversations, seed = _int(cfg, "conversations"), _int(cfg, "seed")
     try:

@@ -200,6 +200,7 @@ def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], His
     from blackbox.history import History, Plan
     from blackbox.metrics import MetricsDelta, MetricsSnapshot, from_compact, parse
     from blackbox.race import RaceRound
+    from blackbox.server_info import ServerInfo
 
     config = reading.json("config.json")
     geometry = reading.json("geometry.json")
@@ -253,8 +254,17 @@ def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], His
     window = run_dir / "metrics" / "race-window"
     race_window = delta(window / "before.prom", window / "after.prom")
     rounds = tuple(RaceRound(**r) for r in race["rounds"])
+    servers = run_dir / "servers.json"
+    info = json.loads(servers.read_text()).get("treatment") if servers.exists() else None
     history = History(
-        geometry["block_size"], tuple(plans), tuple(exchanges), deltas, rounds, race.get("budget"), race_window
+        geometry["block_size"],
+        tuple(plans),
+        tuple(exchanges),
+        deltas,
+        rounds,
+        race.get("budget"),
+        race_window,
+        ServerInfo.from_json(info) if info else None,
     )
     return config, history
 
