@@ -292,8 +292,9 @@ def _write_replays(
 ) -> None:
     flagged: set[int] = set()
     for f in verdict.findings:
-        for m in f.figures.get("mismatches", ()) or ():
-            flagged.add(int(m.get("conversation", m.get("round", -1))))
+        if f.status is Status.PASS:
+            continue  # a PASS lists nothing to replay; the first conversation is kept as an example below
+        flagged.update(int(m["unit"]) for m in f.figures.get("mismatches", ()) or ())
         flagged.update(int(c) for c in f.figures.get("forward_flips", ()) or ())
     flagged = flagged or {p.index for p in history.plans[:1]} or {r.index for r in history.races[:1]}
     store.write_replays(urls, (e for e in history.exchanges if e.conversation in flagged), key_env, key_file)
