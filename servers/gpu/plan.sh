@@ -20,7 +20,7 @@ KV=(--gpu-memory-utilization 0.06 --kv-cache-memory-bytes 4294967296)
 CPU_MODEL=$W/models/tiny-qwen3next-s0-v2
 DEADLINE=${DEADLINE:-$(($(date +%s) + 540))} # epoch second by which this call must be done (then it packs)
 url() { echo "http://127.0.0.1:$1"; }
-healthy() { curl -sf "$(url "$1")/health" >/dev/null; }
+healthy() { curl -sf -m 5 "$(url "$1")/health" >/dev/null; }
 left() { echo $((DEADLINE - $(date +%s))); }
 probe() { (cd "$W/bb" && python3 -m servers.gpu.probe --log-root "$W/logs" --out "$W/logs/probe.jsonl" "$@"); }
 mode_file=$W/mode
@@ -31,6 +31,7 @@ bb_triple() { # NAME T C R SEED [extra blackbox args]
     local args=(--treatment "$(url "$t")" --control "$(url "$c")" --conversations "${CONV:-24}" --seed "$seed")
     [ "$r" != - ] && args+=(--reference "$(url "$r")")
     local budget=$(($(left) - 5))
+    ((budget > ${BB_CAP:-100000})) && budget=$BB_CAP
     if ((budget < 30)); then echo "skip blackbox $name: ${budget}s left"; return; fi
     BB_TIMEOUT=$budget $D blackbox "$name" "${args[@]}" "$@"
 }
@@ -50,7 +51,7 @@ start() {
 }
 
 probe_step() {
-    $D wait $(($(left) - ${PROBE_RESERVE:-240})) 8100 8101 8102 8110 8111 8112 8120 8130 8132
+    $D wait $(($(left) - ${PROBE_RESERVE:-240})) 8100 8101 8102 8110 8111 8112 8120 8130
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv
     local up=() pair
     for pair in t-graph=8100 c-graph=8101 r-graph=8102 t-eager=8110 c-eager=8111 r-eager=8112 t-noasync=8120 \
@@ -83,6 +84,7 @@ PY
 clean() {
     local seed
     for seed in ${SEEDS:-0}; do
+        BB_CAP=${CLEAN_CAP:-100000}
         healthy 8100 && healthy 8101 && healthy 8102 && bb_triple "clean-graph-s$seed" 8100 8101 8102 "$seed" &
         healthy 8110 && healthy 8111 && healthy 8112 && bb_triple "clean-eager-s$seed" 8110 8111 8112 "$seed" &
     done
@@ -107,10 +109,53 @@ faults() {
     for f in "$W"/logs/f-*/treatment.log; do echo "$f: $(grep -c 'BLACKBOX_FAULT fired' "$f") fired lines"; done
 }
 
+# One wave: every variant and the fault treatments (eager, the mode CPU runs use) start together, so that a
+# fresh machine pays the ~200 s cold start (Triton autotuning, compile) once.
+start_all() {
+    $D serve t-graph treatment 8100 -- "${KV[@]}"
+    $D serve c-graph control 8101 -- "${KV[@]}"
+    $D serve r-graph reference 8102 -- "${KV[@]}"
+    $D serve t-eager treatment 8110 -- "${KV[@]}" --enforce-eager
+    $D serve c-eager control 8111 -- "${KV[@]}" --enforce-eager
+    $D serve r-eager reference 8112 -- "${KV[@]}" --enforce-eager
+    $D serve t-cpumodel treatment 8130 --model "$CPU_MODEL" -- "${KV[@]}"
+    $D serve f-eagle treatment 8140 --fault eagle-overrun -- "${KV[@]}" --enforce-eager
+    $D serve f-stale treatment 8150 --fault stale-checkpoint -- "${KV[@]}" --enforce-eager
+    $D serve f-frag treatment 8160 -- "${KV[@]}" --enforce-eager --max-num-batched-tokens 96
+    $D serve f-chunk treatment 8170 --fault chunk-end-as-boundary -- "${KV[@]}" --enforce-eager \
+        --max-num-batched-tokens 96
+}
+
+# Probe every server, then every blackbox run at once: clean graph and eager triples, the four fault cases
+# against the eager control/reference.
+measure() {
+    $D wait $(($(left) - ${PROBE_RESERVE:-240})) 8100 8101 8102 8110 8111 8112 8130 8140 8150 8160 8170
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+    local up=() pair seed
+    for pair in t-graph=8100 c-graph=8101 r-graph=8102 t-eager=8110 c-eager=8111 r-eager=8112 t-cpumodel=8130 \
+        f-eagle=8140 f-stale=8150 f-frag=8160 f-chunk=8170; do
+        healthy "${pair#*=}" && up+=("${pair%=*}=$(url "${pair#*=}")")
+    done
+    ((${#up[@]})) && probe --timeout 45 "${up[@]}"
+    for seed in ${SEEDS:-0}; do
+        healthy 8100 && healthy 8101 && healthy 8102 && bb_triple "clean-graph-s$seed" 8100 8101 8102 "$seed" &
+        healthy 8110 && healthy 8111 && healthy 8112 && bb_triple "clean-eager-s$seed" 8110 8111 8112 "$seed" &
+    done
+    healthy 8140 && bb_triple eagle-overrun-eager-s0 8140 8111 8112 0 &
+    healthy 8150 && bb_triple stale-checkpoint-eager-s0 8150 8111 8112 0 &
+    healthy 8160 && bb_triple clean-fragmented-eager-s0 8160 8111 8112 0 --probe cold-race &
+    healthy 8170 && bb_triple chunk-end-as-boundary-eager-s0 8170 8111 8112 0 --probe cold-race &
+    wait
+    local f
+    for f in "$W"/logs/f-*/treatment.log; do echo "$f: $(grep -c 'BLACKBOX_FAULT fired' "$f") fired lines"; done
+}
+
 for step in "$@"; do
     echo "== $step ($(left) s left)"
     case "$step" in
     start) start ;;
+    start-all) start_all ;;
+    measure) measure ;;
     probe) probe_step ;;
     clean) clean ;;
     faults) faults ;;
