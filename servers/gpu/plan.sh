@@ -141,9 +141,14 @@ measure() {
         healthy 8100 && healthy 8101 && healthy 8102 && bb_triple "clean-graph-s$seed" 8100 8101 8102 "$seed" &
         healthy 8110 && healthy 8111 && healthy 8112 && bb_triple "clean-eager-s$seed" 8110 8111 8112 "$seed" &
     done
+    # One fault run beside the clean ones: each control/reference serves 8 sequences at a time.
     healthy 8140 && bb_triple eagle-overrun-eager-s0 8140 8111 8112 0 &
+    wait
+}
+
+measure2() {
     healthy 8150 && bb_triple stale-checkpoint-eager-s0 8150 8111 8112 0 &
-    healthy 8160 && bb_triple clean-fragmented-eager-s0 8160 8111 8112 0 --probe cold-race &
+    healthy 8160 && bb_triple clean-fragmented-eager-s0 8160 8101 8102 0 --probe cold-race &
     healthy 8170 && bb_triple chunk-end-as-boundary-eager-s0 8170 8111 8112 0 --probe cold-race &
     wait
     local f
@@ -156,6 +161,7 @@ for step in "$@"; do
     start) start ;;
     start-all) start_all ;;
     measure) measure ;;
+    measure2) measure2 ;;
     probe) probe_step ;;
     clean) clean ;;
     faults) faults ;;
