@@ -148,7 +148,7 @@ measure() {
 
 measure2() {
     healthy 8150 && bb_triple stale-checkpoint-eager-s0 8150 8111 8112 0 &
-    healthy 8160 && bb_triple clean-fragmented-eager-s0 8160 8101 8102 0 --probe cold-race &
+    healthy 8160 && bb_triple clean-fragmented-eager-s0 8160 8111 8112 0 --probe cold-race &
     healthy 8170 && bb_triple chunk-end-as-boundary-eager-s0 8170 8111 8112 0 --probe cold-race &
     wait
     local f
