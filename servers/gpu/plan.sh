@@ -9,6 +9,8 @@
 #             start the fault treatments in that mode
 #   clean     blackbox the clean triple of each working mode, seed ${SEEDS:-0} (concurrently)
 #   faults    blackbox each fault treatment against the clean control/reference of the mode
+#   start-all, measure, measure2: the one-wave variant of start/probe/clean/faults used on 2026-12-01
+#   kernels   the CPU kernel ports against vLLM's Triton kernels on identical inputs (not yet run)
 #
 # Servers are started detached and live until the machine goes back, so later steps reuse them. Each one
 # gets a fixed KV cache (--kv-cache-memory-bytes) instead of a memory fraction: they start concurrently on one
@@ -156,6 +158,7 @@ for step in "$@"; do
     start-all) start_all ;;
     measure) measure ;;
     measure2) measure2 ;;
+    kernels) (cd "$W/bb" && python3 -m servers.gpu.compare_kernels --seeds "${KERNEL_SEEDS:-200}") ;;
     probe) probe_step ;;
     clean) clean ;;
     faults) faults ;;
