@@ -120,8 +120,13 @@ class Profile:
 _CPU_ARGS = ("--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "8", *CPU_COMPILE_ARGS)
 _GPU_ARGS: tuple[str, ...] = ()  # --gpu-memory-utilization comes from the placement (place_on_gpus)
 # The tiny model on a GPU (servers/tiny_model.py, variant "gpu"): same limits as on CPU, longer context for
-# its larger blocks.
-GPU_TINY_ARGS: tuple[str, ...] = ("--dtype", "bfloat16", "--max-model-len", "8192", "--max-num-seqs", "8")
+# its larger blocks. Eager, as on CPU: on vLLM 0.26 with MTP the default FULL_AND_PIECEWISE CUDA graphs die on
+# the first spec-decode step (illegal memory access, bench/results/gpu.md); PIECEWISE serves
+# (`-- --no-enforce-eager --compilation-config '{"cudagraph_mode":"PIECEWISE"}'`) but has no verdict yet.
+GPU_TINY_COMPILE_ARGS: tuple[str, ...] = ("--enforce-eager",)
+GPU_TINY_ARGS: tuple[str, ...] = (
+    "--dtype", "bfloat16", "--max-model-len", "8192", "--max-num-seqs", "8", *GPU_TINY_COMPILE_ARGS,
+)  # fmt: skip
 
 PROFILES: Mapping[str, Profile] = {
     p.name: p

@@ -44,6 +44,10 @@ rm -rf "$out" && mkdir -p "$out/p1" "$out/p2" "$out/p3/whl" "$out/p3/models"
 split -b 60M -a 2 "$build/vllm-0.26.0-nofa2.tar.xz" "$build/vllm.tar.xz.part-"
 mv "$build/vllm.tar.xz.part-aa" "$out/p1/"
 mv "$build/vllm.tar.xz.part-ab" "$out/p2/"
+if [ -e "$build/vllm.tar.xz.part-ac" ]; then
+    echo "the vLLM tarball needs a third 60 MiB part: add a p4 call (or drop more from the wheel)" >&2
+    exit 1
+fi
 cp "$build"/whl/*.whl "$out/p3/whl/"
 (cd "$here" && git ls-files -co --exclude-standard -z | xargs -0 tar cf "$out/p3/bb.tar")
 (cd "$here" && PYTHONPATH="$here" "$py" -m servers.tiny_model --out "$out/p3/models" >/dev/null &&

@@ -67,21 +67,26 @@ serve)
     done
     # Ports are base + the role's index, so the base is chosen to land on PORT.
     case "$role" in treatment) idx=0 ;; control) idx=1 ;; reference) idx=2 ;; *) echo "bad role $role" >&2; exit 3 ;; esac
-    (cd "$W/bb" && setsid nohup python3 -m servers.launch --profile "${BBGPU_PROFILE:-gpu-tiny}" --roles "$role" \
-        --base-port $((port - idx)) --cache-dir "$W/models" --log-dir "$W/logs/$name" --timeout 1200 \
-        "${launch[@]}" -- "$@" >"$W/logs/$name.launch" 2>&1 </dev/null &)
+    # Redirect the whole subshell: a shell left holding the caller's stdout would keep its pipe open.
+    (cd "$W/bb" && exec setsid nohup python3 -m servers.launch --profile "${BBGPU_PROFILE:-gpu-tiny}" \
+        --roles "$role" --base-port $((port - idx)) --cache-dir "$W/models" --log-dir "$W/logs/$name" \
+        --timeout 1200 "${launch[@]}" -- "$@") >"$W/logs/$name.launch" 2>&1 </dev/null &
     stamp "serve $name ($role) on $port: $*"
     ;;
 wait)
     limit=$1
     shift
     for port in "$@"; do
-        until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
+        until curl -sf -m 5 "http://127.0.0.1:$port/health" >/dev/null; do
             if ((SECONDS > limit)); then stamp "port $port not healthy by ${limit}s"; break; fi
-            if ! pgrep -f -- "--port $port( |$)" >/dev/null; then stamp "port $port: no server process"; break; fi
+            # A server that died at start-up (its launcher gave up) is not waited for; 60 s for it to appear.
+            if ((SECONDS > 60)) && ! pgrep -f -- "--port $port( |$)" >/dev/null; then
+                stamp "port $port: no server process"
+                break
+            fi
             sleep 2
         done
-        curl -sf "http://127.0.0.1:$port/health" >/dev/null && stamp "port $port healthy"
+        curl -sf -m 5 "http://127.0.0.1:$port/health" >/dev/null && stamp "port $port healthy"
     done
     ;;
 blackbox)
