@@ -212,6 +212,7 @@ class Endpoint:
             wait=_wait,
             before_sleep=lambda state: record(state, wait_s=round(_wait(state), 3)),
             retry_error_callback=give_up,
+            sleep=lambda seconds: _sleep(seconds),
         )
         with self.watch.waiting(f"{self.arm} ({self.base_url})", what, limit):
             result: httpx.Response = await retrying(
@@ -298,6 +299,10 @@ class Endpoint:
             f"{self.where} answered {what} with a body that is not JSON, maybe truncated "
             f"({type(exc).__name__}; {len(response.content)} bytes): {self._snippet(response.text)}"
         )
+
+
+async def _sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)  # looked up per call, so tests can take the wait out
 
 
 def _retryable(state: RetryCallState) -> bool:

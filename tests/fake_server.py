@@ -106,6 +106,7 @@ class FakeVLLM:
     _loop: asyncio.AbstractEventLoop | None = None
     _server: asyncio.base_events.Server | None = None
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _thread: threading.Thread | None = None
 
     @property
@@ -152,6 +153,11 @@ class FakeVLLM:
         for w in list(self._writers):
             w.close()
         self._writers.clear()
+        current = asyncio.current_task()
+        pending = [t for t in self._tasks if t is not current]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     def __enter__(self) -> FakeVLLM:
         return self.start()
@@ -163,6 +169,9 @@ class FakeVLLM:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -175,6 +184,7 @@ class FakeVLLM:
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, ValueError):
             pass
         finally:
+            self._tasks.discard(task)
             self._writers.discard(writer)
             with contextlib.suppress(Exception):
                 writer.close()
@@ -359,3 +369,23 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.05)
+
+
+@dataclass
+class Proxy(FakeVLLM):
+    """A fault-injecting proxy in front of a real server: the same faults, every other request forwarded.
+    `rewrite_metrics(scrape number, text)` may change the real /metrics page on its way back."""
+
+    upstream: str = ""
+    rewrite_metrics: Callable[[int, str], str] | None = None
+
+    async def serve(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
+        import httpx
+
+        keep = {k: v for k, v in headers.items() if k not in ("host", "content-length", "connection")}
+        async with httpx.AsyncClient(base_url=self.upstream, timeout=600) as http:
+            r = await http.request(method, path, headers=keep, content=body)
+        content = r.content
+        if path == "/metrics" and self.rewrite_metrics is not None:
+            content = self.rewrite_metrics(self.calls.get("/metrics", 0), r.text).encode()
+        return Reply(r.status_code, content, (("Content-Type", r.headers.get("content-type", "text/plain")),))
