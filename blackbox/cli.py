@@ -193,8 +193,8 @@ async def _signalled(work: Coroutine[Any, Any, RunResult]) -> RunResult:
 
 def _run(args: argparse.Namespace) -> int:
     urls = {"treatment": args.treatment, "control": args.control, "reference": args.reference}
-    _check(args)
     config = _config(args, urls, args.model)
+    _check(args)
     _warn_key(config, named=args.api_key_env is not None)
     _Console.redact = Redactor(config.api_key)
     result = execute(config, args.out, ["blackbox", *sys.argv[1:]])
