@@ -117,8 +117,9 @@ class Endpoint:
         except BlackboxError as exc:
             self.watch.on_scrape(self.arm, {"at": round(at, 3), "error": exc.message})
             raise
+        changed = not self.scrapes or self.scrapes[-1].created != snap.created
         self.scrapes.append(dataclasses.replace(snap, text="", info={}))
-        self.watch.on_scrape(self.arm, snap.compact())
+        self.watch.on_scrape(self.arm, snap.compact(with_created=changed))
         return snap
 
     def _metrics_gone_hint(self) -> str:

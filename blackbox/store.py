@@ -224,12 +224,12 @@ def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], His
     def scrapes(arm: str) -> list[MetricsSnapshot]:
         path = run_dir / "metrics" / f"{arm}-scrapes.jsonl"
         reading.file = str(path.relative_to(run_dir))
-        out = []
+        out: list[MetricsSnapshot] = []
         for number, line in enumerate(path.read_text().splitlines() if path.exists() else [], 1):
             reading.line = number
             record = json.loads(line)
             if "error" not in record:
-                out.append(from_compact(record))
+                out.append(from_compact(record, out[-1] if out else None))
         return out
 
     deltas = {}

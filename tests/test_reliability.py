@@ -370,6 +370,10 @@ def test_fault(
     assert_consistent(outcome, case.error_class, case.exit_code, case.message)
     if case.console:
         assert re.search(case.console, outcome.console), outcome.console
+    if case.error_class == "CounterReset":  # the scrapes are stored: the folder alone re-judges the same
+        assert main(["grade", str(outcome.run_dir)]) == 2
+        regraded = capfd.readouterr()
+        assert re.search(case.message, regraded.out), regraded.out + regraded.err
     retries_file = outcome.run_dir / "retries.jsonl"
     if case.retries is not None:
         records = [json.loads(line) for line in retries_file.read_text().splitlines()] if retries_file.exists() else []
