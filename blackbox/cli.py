@@ -94,7 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--reference", help="URL of the treatment's config without speculative decoding (logprob grader)")
     r.add_argument("--model", help="served model name (default: the first one each server lists)")
     r.add_argument(
-        "--api-key-env", help="name of the environment variable holding the API key (default BLACKBOX_API_KEY)"
+        "--api-key-env",
+        help="name of the environment variable holding the API key (default BLACKBOX_API_KEY; "
+        "a warning is printed when a variable named here is unset)",
     )
     r.add_argument("--api-key-file", help="read the API key from this file instead (one line)")
     _common(r)

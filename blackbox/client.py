@@ -112,7 +112,9 @@ class Endpoint:
         """Parse /metrics, keep a text-less copy in `scrapes` and report it to the watch (scrapes.jsonl)."""
         at = self.watch.since_start()
         try:
-            response = await self._get("/metrics", missing_hint=self._metrics_gone_hint())
+            # A /metrics that answered before and now 404s is gone mid-run (EndpointError); one that never
+            # answered means this is not a vLLM server (ConfigMismatch, like any first 404).
+            response = await self._get("/metrics", missing_hint=self._metrics_gone_hint() if self.scrapes else "")
             snap = parse(response.text, source=f"{self.where}/metrics", at=at)
         except BlackboxError as exc:
             self.watch.on_scrape(self.arm, {"at": round(at, 3), "error": exc.message})
@@ -123,9 +125,7 @@ class Endpoint:
         return snap
 
     def _metrics_gone_hint(self) -> str:
-        if self.scrapes:
-            return "/metrics answered earlier in this run: did the server restart or get replaced mid-run?"
-        return "is this a vLLM server? its /metrics page should list vllm:* counters"
+        return "/metrics answered earlier in this run: did the server restart or get replaced mid-run?"
 
     async def count_tokens(self, messages: Sequence[Mapping[str, str]], *, generation_prompt: bool = True) -> int:
         body = {"model": self.model, "messages": list(messages), "add_generation_prompt": generation_prompt}

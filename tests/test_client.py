@@ -443,3 +443,23 @@ async def test_a_slow_request_gets_a_heartbeat_naming_server_request_and_wait() 
         "[c001-treatment-turn1]: "
     )
     assert "s so far (timeout 300 s)" in lines[0]
+
+
+async def test_a_server_with_no_metrics_page_is_not_vllm_but_one_that_lost_it_mid_run_is_an_endpoint_error() -> None:
+    gone = False
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics" and gone:
+            return httpx.Response(404)
+        return server()(request)
+
+    async with endpoint(lambda r: httpx.Response(404) if r.url.path == "/metrics" else server()(r)) as ep:
+        with pytest.raises(errors.ConfigMismatch, match="GET /metrics with HTTP 404"):
+            await ep.ready()
+    async with endpoint(handle) as ep:
+        await ep.ready()
+        gone = True
+        with pytest.raises(errors.EndpointError) as info:
+            await ep.metrics()
+    assert type(info.value) is errors.EndpointError
+    assert "answered earlier in this run" in info.value.hint
