@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import shlex
 import signal
@@ -28,7 +27,7 @@ from blackbox.engine import RunResult, judge, run
 from blackbox.race import RaceSettings
 from blackbox.report import ProgressLine, summary
 from blackbox.secrets import Redactor
-from blackbox.store import RunStore, load_history, new_run_id, write_traceback
+from blackbox.store import RunStore, load_history, load_preflight, new_run_id, write_traceback
 from blackbox.workload import Shape
 
 __all__ = ["main"]
@@ -90,9 +89,20 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     r = sub.add_parser("run", help="test live treatment and control endpoints")
     r.add_argument("--treatment", required=True, help="URL of the server under test (prefix caching + spec decode)")
-    r.add_argument("--control", required=True, help="URL of the same model with prefix caching off")
+    r.add_argument(
+        "--control",
+        help="URL of the same model with prefix caching off; without it (a staging smoke test) the treatment's own "
+        "answers with a fresh cache_salt are the control",
+    )
     r.add_argument("--reference", help="URL of the treatment's config without speculative decoding (logprob grader)")
     r.add_argument("--model", help="served model name (default: the first one each server lists)")
+    r.add_argument(
+        "--treatment-metrics",
+        action="append",
+        metavar="URL",
+        help="a /metrics URL of one replica behind the treatment's router (repeat for each; they are summed); "
+        "per-request cached_tokens remain the trigger's ground truth",
+    )
     r.add_argument(
         "--api-key-env",
         help="name of the environment variable holding the API key (default BLACKBOX_API_KEY; "
@@ -101,8 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--api-key-file", help="read the API key from this file instead (one line)")
     _common(r)
     g = sub.add_parser("grade", help="re-judge a stored run folder offline (no servers needed)")
+    # No --alpha here: choosing the significance level after seeing the data would void it.
     g.add_argument("run_dir", type=Path)
-    g.add_argument("--alpha", type=float, help="override the run's significance level")
     d = sub.add_parser("demo", help="build the tiny model, launch the CPU pair, run, print the verdict, stop")
     d.add_argument("--profile", default="cpu-tiny")
     d.add_argument("--no-reference", action="store_true", help="launch treatment and control only")
@@ -121,7 +131,7 @@ def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | 
     )
     return RunConfig(
         treatment=urls["treatment"] or "",
-        control=urls["control"] or "",
+        control=urls["control"],
         reference=urls.get("reference"),
         model=model,
         conversations=args.conversations,
@@ -134,6 +144,7 @@ def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | 
         probes=tuple(dict.fromkeys(args.probe or ("multiturn",))),
         race=RaceSettings(racers=args.racers),
         max_num_batched_tokens=args.max_num_batched_tokens,
+        treatment_metrics=tuple(getattr(args, "treatment_metrics", None) or ()),
         api_key_file=getattr(args, "api_key_file", None),
         deadline_s=args.deadline,
         heartbeat_s=args.heartbeat,
@@ -236,7 +247,6 @@ def _demo(args: argparse.Namespace) -> int:
 def _grade(args: argparse.Namespace) -> int:
     if not args.run_dir.is_dir():
         raise errors.UsageError(f"{args.run_dir} is not a folder", hint="pass a folder under runs/")
-    inputs.probability("--alpha", args.alpha)
     stopped = guard.unfinished(args.run_dir) if (args.run_dir / "config.json").is_file() else None
     if stopped is not None:
         raise stopped
@@ -248,10 +258,8 @@ def _grade(args: argparse.Namespace) -> int:
         )
     data, history = load_history(args.run_dir)
     config = RunConfig.from_json(data)
-    if args.alpha is not None:
-        config = dataclasses.replace(config, grading=dataclasses.replace(config.grading, alpha=args.alpha))
     try:
-        verdict, grades = judge(history, config)
+        verdict, grades = judge(history, config, load_preflight(args.run_dir))
     except Exception as exc:
         text = "".join(traceback.format_exception(exc))
         kept = write_traceback(args.run_dir, text, Redactor(), "traceback-grade.txt")

@@ -24,7 +24,7 @@ from tenacity import AsyncRetrying, RetryCallState, wait_exponential
 
 from blackbox.errors import BlackboxError, ConfigMismatch, EndpointError
 from blackbox.history import Exchange, TokenLogprob
-from blackbox.metrics import MetricsSnapshot, is_vllm, parse
+from blackbox.metrics import MetricsSnapshot, combine, is_vllm, parse
 from blackbox.watch import Watch
 
 __all__ = ["ATTEMPTS", "RETRY_BUDGET_S", "Endpoint", "parse_chat"]
@@ -57,6 +57,7 @@ class Endpoint:
         transport: httpx.AsyncBaseTransport | None = None,
         watch: Watch | None = None,
         key_source: str = "",
+        metrics_urls: Sequence[str] = (),
     ) -> None:
         self.arm = arm
         self.base_url = base_url.rstrip("/")
@@ -65,6 +66,9 @@ class Endpoint:
         self.watch = watch or Watch()
         self.key_source = key_source  # how the key is given, for the hint on a 401 (never the key)
         self.scrapes: list[MetricsSnapshot] = []  # every /metrics read, without its text, for restart detection
+        self._scrape_lock = asyncio.Lock()
+        # Replicas behind a router: their /metrics summed stand for the one endpoint the requests go to.
+        self.metrics_urls = tuple(metrics_urls)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport)
 
@@ -109,15 +113,23 @@ class Endpoint:
         return None
 
     async def metrics(self) -> MetricsSnapshot:
-        """Parse /metrics, keep a text-less copy in `scrapes` and report it to the watch (scrapes.jsonl)."""
-        at = self.watch.since_start()
+        """Parse /metrics (summed over `metrics_urls` when given), keep a text-less copy in `scrapes` and report
+        it to the watch (scrapes.jsonl). One scrape at a time per server, so `scrapes` is in the order of the
+        states it shows (periodic scrapes go on while the settled one is read)."""
+        async with self._scrape_lock:
+            return await self._scrape()
+
+    async def _scrape(self) -> MetricsSnapshot:
+        # A /metrics that answered before and now 404s is gone mid-run (EndpointError); one that never answered
+        # means this is not a vLLM server (ConfigMismatch, like any first 404).
+        gone = self._metrics_gone_hint() if self.scrapes else ""
         try:
-            # A /metrics that answered before and now 404s is gone mid-run (EndpointError); one that never
-            # answered means this is not a vLLM server (ConfigMismatch, like any first 404).
-            response = await self._get("/metrics", missing_hint=self._metrics_gone_hint() if self.scrapes else "")
-            snap = parse(response.text, source=f"{self.where}/metrics", at=at)
+            pages = [(await self._get(path, missing_hint=gone), path) for path in (self.metrics_urls or ("/metrics",))]
+            at = self.watch.since_start()  # when the page arrived
+            snaps = [parse(r.text, source=f"{self.where}{p}" if p.startswith("/") else p, at=at) for r, p in pages]
+            snap = snaps[0] if len(snaps) == 1 else combine(snaps)
         except BlackboxError as exc:
-            self.watch.on_scrape(self.arm, {"at": round(at, 3), "error": exc.message})
+            self.watch.on_scrape(self.arm, {"at": round(self.watch.since_start(), 3), "error": exc.message})
             raise
         changed = not self.scrapes or self.scrapes[-1].created != snap.created
         self.scrapes.append(dataclasses.replace(snap, text="", info={}))
@@ -134,6 +146,14 @@ class Endpoint:
         if not isinstance(count, int):
             raise EndpointError(f"{self.where}/tokenize returned no count: {self._snippet(str(data))}")
         return count
+
+    async def tokenize(self, text: str) -> list[int]:
+        """Token ids of a plain text (no chat template): a fingerprint of the tokenizer."""
+        data = await self._post_json("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})
+        ids = data.get("tokens")
+        if not isinstance(ids, list):
+            raise EndpointError(f"{self.arm}: /tokenize returned no tokens: {str(data)[:200]}")
+        return [int(i) for i in ids]
 
     async def chat(self, body: Mapping[str, Any], *, conversation: int, kind: str) -> Exchange:
         """POST /v1/chat/completions; transport faults and bad responses come back as an Exchange with error."""

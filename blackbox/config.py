@@ -31,7 +31,7 @@ class Grading:
 @dataclass(frozen=True)
 class RunConfig:
     treatment: str
-    control: str
+    control: str | None = None  # None: single-endpoint mode, the treatment's own no-reuse answers are the control
     reference: str | None = None
     model: str | None = None
     conversations: int = 32
@@ -46,6 +46,7 @@ class RunConfig:
     probes: tuple[str, ...] = ("multiturn",)
     race: RaceSettings = field(default_factory=RaceSettings)
     max_num_batched_tokens: int | None = None  # the treatment's step budget, if /server_info is not offered
+    treatment_metrics: tuple[str, ...] = ()  # the /metrics URLs of replicas behind the treatment's router
     # Reliability (issue 9): the key's file, the whole-run deadline, the heartbeat and mid-run /metrics scrapes.
     api_key_file: str | None = None  # read instead of the variable; the path is stored, never the key
     deadline_s: float | None = None  # the whole run, set-up to verdict; None: no limit
@@ -98,6 +99,7 @@ class RunConfig:
                 "grading": Grading(**grading),
                 "race": RaceSettings(**race),
                 "probes": tuple(data.get("probes", ("multiturn",))),
+                "treatment_metrics": tuple(data.get("treatment_metrics", ())),
             }
         )
 

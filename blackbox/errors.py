@@ -9,7 +9,9 @@
     │   ├── ControlQualityFailure     the control cannot do the task the grader needs
     │   ├── GeometryUnsupported       the conversation cannot fit the server's geometry
     │   ├── CounterReset              a counter went backwards (a server restarted mid-run)
-    │   └── NoEvidence                no grader had anything to judge
+    │   ├── NoEvidence                no grader judged the hits the trigger proved
+    │   ├── InsufficientPower         a grader's sample could not have reached significance
+    │   └── GraderCrashed             a grader raised (a bug of blackbox): not a verdict on the server
     ├── UsageError                ERROR: bad input or configuration (exit 3)
     │   └── ConfigMismatch            a server is not what the command says (wrong model, not vLLM, no key)
     ├── EndpointError             ERROR: a server or the network failed (exit 4)
@@ -34,7 +36,9 @@ __all__ = [
     "DeadlineExceeded",
     "EndpointError",
     "GeometryUnsupported",
+    "GraderCrashed",
     "Inconclusive",
+    "InsufficientPower",
     "InternalError",
     "Interrupted",
     "NoEvidence",
@@ -97,6 +101,14 @@ class CounterReset(Inconclusive):
 
 
 class NoEvidence(Inconclusive):
+    pass
+
+
+class InsufficientPower(Inconclusive):
+    pass
+
+
+class GraderCrashed(Inconclusive):
     pass
 
 

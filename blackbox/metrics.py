@@ -10,6 +10,7 @@ counters when named `*_total`; a histogram's `_count` is a counter too.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "DRAFT_TOKENS",
     "MetricsDelta",
     "MetricsSnapshot",
+    "combine",
     "from_compact",
     "is_vllm",
     "parse",
@@ -101,7 +103,14 @@ class MetricsDelta:
     during: Sequence[MetricsSnapshot] = ()  # every scrape taken between (and around) the two, in order
 
     def check_monotonic(self, arm: str) -> None:
-        found = restarts([self.before, *self.during, self.after])
+        # In time order (a scrape may be listed out of order). `before` and `after` re-read from their .prom files
+        # carry no time: they stay first and last, not at time 0 (which read a re-graded clean run as a restart).
+        timeline = [
+            (self.before.at or -math.inf, self.before),
+            *((snap.at, snap) for snap in self.during),
+            (self.after.at or math.inf, self.after),
+        ]
+        found = restarts([snap for _, snap in sorted(timeline, key=lambda pair: pair[0])])
         if found:
             raise CounterReset(
                 f"{arm}: {found[0]}: the server restarted mid-run"
@@ -138,6 +147,20 @@ def _series(key: tuple[str, Labels]) -> str:
 
 def is_vllm(snapshot: MetricsSnapshot) -> bool:
     return any(n.startswith("vllm:") for n, _ in snapshot.samples) or any(n.startswith("vllm:") for n in snapshot.info)
+
+
+def combine(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
+    """Replicas behind one router as one server: counters summed per series, config labels from the first."""
+    samples: dict[tuple[str, Labels], float] = {}
+    for snap in snapshots:
+        for key, value in snap.samples.items():
+            samples[key] = samples.get(key, 0.0) + value
+    info = snapshots[0].info if snapshots else {}
+    counters = frozenset().union(*(s.counters for s in snapshots))
+    created = {k: v for s in snapshots for k, v in s.created.items()}  # any replica's restart shows in its own
+    return MetricsSnapshot(
+        samples, info, counters, "".join(s.text for s in snapshots), created, max((s.at for s in snapshots), default=0)
+    )
 
 
 def parse(text: str, source: str = "/metrics", at: float = 0.0) -> MetricsSnapshot:

@@ -34,8 +34,9 @@ from blackbox.secrets import Redactor, check_env_name
 
 if TYPE_CHECKING:
     from blackbox.history import History
+    from blackbox.verdict import Finding
 
-__all__ = ["RunStore", "curl_command", "load_history", "new_run_id", "write_traceback"]
+__all__ = ["RunStore", "curl_command", "load_history", "load_preflight", "new_run_id", "write_traceback"]
 
 
 def new_run_id(seed: int) -> str:
@@ -150,6 +151,18 @@ def curl_command(base_url: str, exchange: Exchange, api_key_env: str, key_file: 
         shlex.quote(body),
     ]
     return " ".join(parts)
+
+
+def load_preflight(run_dir: Path) -> list[Finding]:
+    """The role and comparability findings made before the workload, so a re-grade keeps them. A run folder from
+    before they were stored has none, and says so as a failed gate rather than passing without them."""
+    from blackbox.errors import NoEvidence
+    from blackbox.verdict import Finding
+
+    path = run_dir / "preflight.json"
+    if not path.exists():
+        return [Finding.from_error("preflight", NoEvidence(f"{path} is missing: the roles were never checked"))]
+    return [Finding.from_json(f) for f in json.loads(path.read_text())]
 
 
 def load_history(run_dir: Path) -> tuple[dict[str, Any], History]:

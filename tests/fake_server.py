@@ -243,6 +243,9 @@ class FakeVLLM:
             return Reply(200, self.metrics_text().encode(), (("Content-Type", "text/plain"),))
         if path == "/tokenize" and method == "POST":
             req = json.loads(body)
+            if "prompt" in req:  # a plain text (the comparability fingerprint): one id per word
+                count = len(str(req["prompt"]).split())
+                return json_reply({"count": count, "max_model_len": 4096, "tokens": list(range(count))})
             count = len(tokens(req["messages"], req.get("add_generation_prompt", True)))
             return json_reply({"count": count, "max_model_len": 4096, "tokens": list(range(count))})
         if path == "/v1/chat/completions" and method == "POST":

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from blackbox import errors, metrics
+
+import histories as h
 
 # What a vLLM 0.32 CPU server exposes, trimmed: counters come as `_total` with a `_created` gauge beside them,
 # every series carries engine/model_name labels, and the cache config is a gauge whose labels are the config.
@@ -221,3 +224,24 @@ def test_a_parse_error_names_the_server() -> None:
 def test_is_vllm() -> None:
     assert metrics.is_vllm(metrics.parse(VLLM_TEXT))
     assert not metrics.is_vllm(metrics.parse("http_requests_total 3\n"))
+
+
+def test_scrapes_are_judged_in_time_order_not_list_order() -> None:
+    # Periodic scrapes go on while the settled `after` snapshot is read, so one taken later can precede it in the
+    # list; a counter that only grew must not read as a restart (seen on the CPU pair with process_cpu_seconds).
+    early = dataclasses.replace(h.snapshot({metrics.CACHE_HITS: 10}), at=66.0)
+    late = dataclasses.replace(h.snapshot({metrics.CACHE_HITS: 12}), at=68.0)
+    start = dataclasses.replace(h.snapshot({metrics.CACHE_HITS: 0}), at=1.0)
+    metrics.MetricsDelta(start, early, (start, late, early)).check_monotonic("treatment")
+    with pytest.raises(errors.CounterReset):
+        metrics.MetricsDelta(start, dataclasses.replace(early, at=70.0), (start, late)).check_monotonic("treatment")
+
+
+def test_before_and_after_read_back_from_files_stay_first_and_last() -> None:
+    # `blackbox grade` parses metrics/<arm>-{before,after}.prom, which carry no time (at = 0); the stored scrapes
+    # carry theirs. A clean run must re-grade clean.
+    before, after = h.snapshot({metrics.CACHE_HITS: 0}), h.snapshot({metrics.CACHE_HITS: 12})
+    during = [
+        dataclasses.replace(h.snapshot({metrics.CACHE_HITS: n}), at=t) for n, t in ((0, 0.5), (5, 3.0), (12, 6.0))
+    ]
+    metrics.MetricsDelta(before, after, during).check_monotonic("treatment")

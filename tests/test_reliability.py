@@ -143,7 +143,8 @@ CASES = [
         SERVER + r" did not answer POST /v1/chat/completions within 0\.5 s",
         treatment=lambda me: {"fault": chat_fault(lambda n: Slow(3))},
         args=("--request-timeout", "0.5", "--heartbeat", "0.2"),
-        console=r"still waiting on treatment .* for POST /v1/chat/completions \[c00\d-treatment-turn1\]",
+        # The first chat is the comparability check's short greedy request, before any conversation.
+        console=r"still waiting on treatment .* for POST /v1/chat/completions \[c-01-treatment-comparability\]",
     ),
     Case(
         "whole-run-deadline",
@@ -348,7 +349,8 @@ def test_the_unfaulted_fake_pair_passes(
 ) -> None:
     """The baseline: without a fault the fake pair is PASS, so each fault case's non-PASS is the fault's."""
     t, c = pair(Case("clean", "", 0, ""))
-    outcome = run_cli(capfd, tmp_path, "--treatment", t.url, "--control", c.url, "--conversations", "2")
+    # 8 conversations: the fewest whose recall sign test can reach p < 0.01 (2^-8), so a PASS is possible at all.
+    outcome = run_cli(capfd, tmp_path, "--treatment", t.url, "--control", c.url, "--conversations", "8")
     assert outcome.code == 0, outcome.console
     assert outcome.verdict["status"] == "PASS"
     assert t.calls.get("/metrics", 0) >= 4  # ready, before, settle... and the periodic scrapes
@@ -472,7 +474,8 @@ def test_grade_on_a_truncated_exchanges_file_names_the_line(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], pair: Callable[[Case], tuple[FakeVLLM, FakeVLLM]]
 ) -> None:
     t, c = pair(Case("clean", "", 0, ""))
-    outcome = run_cli(capfd, tmp_path, "--treatment", t.url, "--control", c.url, "--conversations", "2")
+    # 8 conversations: the fewest whose recall sign test can reach p < 0.01 (2^-8), so a PASS is possible at all.
+    outcome = run_cli(capfd, tmp_path, "--treatment", t.url, "--control", c.url, "--conversations", "8")
     assert outcome.code == 0, outcome.console
     exchanges = outcome.run_dir / "exchanges.jsonl"
     lines = exchanges.read_text().splitlines()
@@ -548,7 +551,7 @@ def test_replay_scripts_quote_everything_and_read_the_key_file(
     t, c = pair(Case("clean", "", 0, ""))
     out = tmp_path / "runs"
     outcome = run_cli(
-        capfd, out, "--treatment", t.url, "--control", c.url, "--conversations", "2", "--api-key-file", str(key_file)
+        capfd, out, "--treatment", t.url, "--control", c.url, "--conversations", "8", "--api-key-file", str(key_file)
     )
     assert outcome.code == 0, outcome.console
     assert_no_canary(outcome)
