@@ -258,8 +258,9 @@ def _grade(args: argparse.Namespace) -> int:
         )
     data, history = load_history(args.run_dir)
     config = RunConfig.from_json(data)
+    preflight = load_preflight(args.run_dir)
     try:
-        verdict, grades = judge(history, config, load_preflight(args.run_dir))
+        verdict, grades = judge(history, config, preflight)
     except Exception as exc:
         text = "".join(traceback.format_exception(exc))
         kept = write_traceback(args.run_dir, text, Redactor(), "traceback-grade.txt")

@@ -484,6 +484,11 @@ def test_grade_on_a_truncated_exchanges_file_names_the_line(
     err = capfd.readouterr().err
     assert re.search(r"UsageError: \S+exchanges\.jsonl line 6 is malformed \(JSONDecodeError", err), err
     assert "Traceback" not in err
+    (outcome.run_dir / "exchanges.jsonl").write_text("\n".join(lines) + "\n")
+    (outcome.run_dir / "preflight.json").write_text('[{"check": "roles", "sta')
+    assert main(["grade", str(outcome.run_dir)]) == 3
+    err = capfd.readouterr().err
+    assert re.search(r"UsageError: \S+preflight\.json is malformed \(JSONDecodeError", err), err
 
 
 # --- input checked before anything runs -------------------------------------------------------------------------
