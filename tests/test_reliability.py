@@ -503,6 +503,7 @@ USAGE = [
     (["--treatment", "http://127.0.0.1:8000/v1"], r"ends in /v1, but blackbox adds /v1/chat/completions itself"),
     (["--treatment", "http://user:pw@127.0.0.1:8000"], r"must not carry credentials in the URL"),
     (["--treatment", "ftp://127.0.0.1:8000"], r"--treatment must be an http\(s\) URL"),
+    (["--treatment-metrics", "http://127.0.0.1:70000/metrics"], r"--treatment-metrics .* Port out of range"),
     (["--alpha", "1.5"], r"--alpha must be between 0 and 1"),
     (["--alpha", "nan"], r"--alpha must be between 0 and 1"),
     (["--conversations", "0"], r"--conversations must be at least 1"),
