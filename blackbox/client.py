@@ -247,7 +247,7 @@ class Endpoint:
         except httpx.HTTPError as exc:
             raise EndpointError(
                 self._transport_message(exc, f"GET {path}", min(self.timeout_s, CONTROL_TIMEOUT_S)),
-                hint="is the server up and the URL right?",
+                hint=_transport_hint(exc),
             ) from exc
         if response.status_code != 200:
             self._raise_status(response, f"GET {path}", missing_hint)
@@ -262,7 +262,7 @@ class Endpoint:
         except httpx.HTTPError as exc:
             raise EndpointError(
                 self._transport_message(exc, f"POST {path}", min(self.timeout_s, CONTROL_TIMEOUT_S)),
-                hint="is the server up and the URL right?",
+                hint=_transport_hint(exc),
             ) from exc
         if response.status_code != 200:
             self._raise_status(response, f"POST {path}")
@@ -320,6 +320,12 @@ class Endpoint:
             f"{self.where} answered {what} with a body that is not JSON, maybe truncated "
             f"({type(exc).__name__}; {len(response.content)} bytes): {self._snippet(response.text)}"
         )
+
+
+def _transport_hint(exc: httpx.HTTPError) -> str:
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return "the server took the connection but did not answer: check its log (stuck, overloaded, still loading?)"
+    return "is the server up and the URL right?"
 
 
 async def _sleep(seconds: float) -> None:

@@ -107,6 +107,7 @@ class FakeVLLM:
     _server: asyncio.base_events.Server | None = None
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _stop_event: asyncio.Event | None = None
     _thread: threading.Thread | None = None
 
     @property
@@ -148,6 +149,7 @@ class FakeVLLM:
             self._thread.join(10)
 
     async def _shutdown(self) -> None:
+        self._stopped().set()  # hanging and slow handlers return at once, instead of being cancelled mid-await
         if self._server is not None:
             self._server.close()
         for w in list(self._writers):
@@ -155,9 +157,19 @@ class FakeVLLM:
         self._writers.clear()
         current = asyncio.current_task()
         pending = [t for t in self._tasks if t is not current]
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        if pending:
+            await asyncio.wait(pending, timeout=2)
+
+    def _stopped(self) -> asyncio.Event:
+        if self._stop_event is None:
+            self._stop_event = asyncio.Event()
+        return self._stop_event
+
+    async def _pause(self, seconds: float) -> bool:
+        """Sleep, unless the server stops first; True when it stopped."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stopped().wait(), seconds)
+        return self._stopped().is_set()
 
     def __enter__(self) -> FakeVLLM:
         return self.start()
@@ -196,10 +208,11 @@ class FakeVLLM:
         self.calls[path] = n
         action = self.fault(path, n, headers) if self.fault else None
         while isinstance(action, Slow):
-            await asyncio.sleep(action.seconds)
+            if await self._pause(action.seconds):
+                return False
             action = action.then
         if isinstance(action, Hang):
-            await asyncio.sleep(3600)
+            await self._pause(3600)
             return False
         if isinstance(action, Close):
             return False

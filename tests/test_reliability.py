@@ -355,7 +355,8 @@ def test_the_unfaulted_fake_pair_passes(
     assert outcome.verdict["status"] == "PASS"
     assert t.calls.get("/metrics", 0) >= 4  # ready, before, settle... and the periodic scrapes
     scrapes = (outcome.run_dir / "metrics" / "treatment-scrapes.jsonl").read_text().splitlines()
-    assert len(scrapes) == t.calls["/metrics"]
+    # Every scrape is stored; one periodic scrape may have been cut off in flight when the run ended.
+    assert t.calls["/metrics"] - 1 <= len(scrapes) <= t.calls["/metrics"]
     assert_no_canary(outcome)  # the fake echoes the Authorization header into every answer
 
 
