@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Mapping
@@ -88,10 +89,26 @@ def summary(result: RunResult) -> str:
         lines.append(f"  [{mark}] {f.check}: {f.reason}")
         if f.hint and f.status is not Status.PASS:
             lines.append(f"         -> {f.hint}")
+    lines.extend(_run_notes(result))
     lines.append("")
     lines.append(f"verdict: {v.status.value} — {v.reason}")
     lines.append(f"run folder: {result.store_path} ({result.elapsed_s:.0f} s); exit code {v.exit_code}")
     return "\n".join(lines)
+
+
+def _run_notes(result: RunResult) -> list[str]:
+    """Retries and an internal error's traceback live in the run folder; the summary says where."""
+    notes = []
+    retries = result.store_path / "retries.jsonl"
+    if retries.is_file():
+        records = [json.loads(line) for line in retries.read_text().splitlines() if line.strip()]
+        gave_up = sum(1 for r in records if r.get("gave_up"))
+        retried = len(records) - gave_up
+        notes.append(f"  retries: {retried} retried, {gave_up} given up (see {retries})")
+    trace = result.store_path / "traceback.txt"
+    if trace.is_file():
+        notes.append(f"  traceback: {trace}")
+    return notes
 
 
 class ProgressLine:
