@@ -9,14 +9,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from blackbox import errors, gates, geometry, metrics, race
+from blackbox import comparability, errors, gates, geometry, guard, metrics, race
 from blackbox.client import Endpoint, gather_bounded
 from blackbox.config import RunConfig
 from blackbox.graders import Grades, grade
 from blackbox.history import Arm, Exchange, History, Kind, Plan
 from blackbox.metrics import MetricsDelta, MetricsSnapshot
 from blackbox.store import RunStore
-from blackbox.verdict import Finding, Verdict, merge
+from blackbox.verdict import Finding, Status, Verdict, merge
 from blackbox.workload import plan_conversation, turn1_body, turn2_body, turn2_messages
 
 __all__ = ["RunResult", "judge", "run"]
@@ -37,35 +37,74 @@ class RunResult:
 
 
 async def run(config: RunConfig, store: RunStore, progress: Progress | None = None) -> RunResult:
-    """Never raises a BlackboxError: an endpoint or geometry failure becomes the verdict, and the store keeps
-    what was recorded up to it."""
+    """Never raises (bar SystemExit): whatever ends the run (a verdict, the --deadline, SIGINT/SIGTERM as a
+    cancellation, an unexpected exception) ends it with verdict.json written, when the disk allows."""
+    started = time.monotonic()
+    tracked = guard.Progress(progress or _quiet)
+    try:
+        return await guard.within(_run(config, store, tracked), config.deadline_s)
+    except BaseException as exc:
+        error = guard.as_error(exc, config, tracked, store.recorded)
+        if error is None:
+            raise
+        guard.keep_traceback(store.path, exc, error, store.redact)
+        verdict = merge([Finding.from_error("run", error)])
+        try:
+            return _finish(store, verdict, None, None, started, None)
+        except errors.StorageError:
+            return RunResult(verdict, None, None, store.path, time.monotonic() - started)
+
+
+async def _run(config: RunConfig, store: RunStore, progress: Progress) -> RunResult:
+    """An endpoint or geometry failure becomes the verdict, and the store keeps what was recorded up to it."""
     started = time.monotonic()
     store.write_json("config.json", config.to_json())  # first, so even a run cut short can be read and replayed
-    urls = {Arm.TREATMENT: config.treatment, Arm.CONTROL: config.control}
+    urls = {Arm.TREATMENT: config.treatment}
+    if config.control:
+        urls[Arm.CONTROL] = config.control
     if config.reference:
         urls[Arm.REFERENCE] = config.reference
+    watch = guard.watch(config, store)
+    key, key_source = config.api_key, guard.key_source(config)
     endpoints = {
-        arm: Endpoint(arm, url, api_key=config.api_key, model=config.model, timeout_s=config.timeout_s)
+        arm: Endpoint(
+            arm,
+            url,
+            api_key=key,
+            model=config.model,
+            timeout_s=config.timeout_s,
+            watch=watch,
+            key_source=key_source,
+            metrics_urls=config.treatment_metrics if arm == Arm.TREATMENT else (),
+        )
         for arm, url in urls.items()
     }
     history: History | None = None
     geo: geometry.Geometry | None = None
     try:
-        history, geo, role_findings = await _drive(config, endpoints, store, progress or _quiet)
+        async with watch.running(endpoints.values()):
+            history, geo, preflight = await _drive(config, endpoints, store, progress)
     except errors.BlackboxError as exc:
         verdict = merge([Finding.from_error("setup", exc)])
         return _finish(store, verdict, None, None, started, geo)
     finally:
         await asyncio.gather(*(e.aclose() for e in endpoints.values()))
-    verdict, grades = judge(history, config, role_findings)
-    _write_replays(store, urls, history, verdict, config.api_key_env)
+    if history is None:  # the servers are not comparable: nothing was sent
+        return _finish(store, merge(preflight), None, None, started, geo)
+    verdict, grades = judge(history, config, preflight)
+    _write_replays(store, urls, history, verdict, config.api_key_env, config.api_key_file)
     return _finish(store, verdict, history, grades, started, geo)
 
 
-def judge(history: History, config: RunConfig, extra: Sequence[Finding] = ()) -> tuple[Verdict, Grades]:
-    """Gates and graders over a history: the whole verdict, from data alone."""
-    grades = grade(history, config.grading, config.probes)
-    return merge([*extra, *gates.all_gates(history, config.grading, config.probes), *grades.findings]), grades
+def judge(history: History, config: RunConfig, preflight: Sequence[Finding] = ()) -> tuple[Verdict, Grades]:
+    """Gates, then graders, over a history: the whole verdict, from data alone. No grader runs when a gate
+    failed (see `verdict.merge`)."""
+    premises = [*preflight, *gates.all_gates(history, config.grading, config.probes)]
+    if any(f.status is not Status.PASS for f in premises):
+        grades = Grades((), (), (("all graders", "not run: a gate failed"),))
+    else:
+        grades = grade(history, config.grading, config.probes)
+    return merge([*premises, *grades.findings]), grades
 
 
 def _quiet(done: int, total: int, note: str) -> None:
@@ -74,7 +113,7 @@ def _quiet(done: int, total: int, note: str) -> None:
 
 async def _drive(
     config: RunConfig, endpoints: Mapping[str, Endpoint], store: RunStore, progress: Progress
-) -> tuple[History, geometry.Geometry, list[Finding]]:
+) -> tuple[History | None, geometry.Geometry, list[Finding]]:
     treatment = endpoints[Arm.TREATMENT]
     progress(0, config.conversations, "checking servers")
     for endpoint in endpoints.values():
@@ -82,12 +121,15 @@ async def _drive(
     before = {arm: await e.metrics() for arm, e in endpoints.items()}
     for arm, snap in before.items():
         store.write_text(f"metrics/{arm}-before.prom", snap.text)
-    lengths = [await e.max_model_len() for e in endpoints.values()]
-    known = [n for n in lengths if n is not None]
+    salt = f"blackbox-{store.path.name}"
+    facts = {arm: await comparability.gather(e, before[arm], salt, store.record) for arm, e in endpoints.items()}
+    preflight = comparability.check(facts, config.grading.hard_margin)
+    store.write_json("preflight.json", [f.to_json() for f in preflight])
+    known = [f.max_model_len for f in facts.values() if f.max_model_len is not None]
     geo = geometry.discover(before[Arm.TREATMENT], min(known) if known else None, config.block_size)
     store.write_json("geometry.json", geo.__dict__)
-
-    salt = f"blackbox-{store.path.name}"
+    if any(f.status is not Status.PASS for f in preflight):
+        return None, geo, preflight
 
     def record(e: Exchange) -> Exchange:
         store.record(e)
@@ -110,7 +152,8 @@ async def _drive(
     after = {arm: await _settle(e, config.settle_s) for arm, e in endpoints.items()}
     for arm, snap in after.items():
         store.write_text(f"metrics/{arm}-after.prom", snap.text)
-    deltas = {arm: MetricsDelta(before[arm], after[arm]) for arm in endpoints}
+    # Every scrape in between too (periodic ones included), so a restart that the counters outgrew is caught.
+    deltas = {arm: MetricsDelta(before[arm], after[arm], tuple(endpoints[arm].scrapes)) for arm in endpoints}
     history = History(
         geo.block_size,
         tuple(plans),
@@ -120,7 +163,7 @@ async def _drive(
         config.max_num_batched_tokens,
         race_window,
     )
-    return history, geo, _roles(before)
+    return history, geo, preflight
 
 
 async def _multiturn(
@@ -201,16 +244,18 @@ async def _conversation(
         m2 = turn2_messages(plan, t1.text)
         out = [t1, await ask(arm, Kind.TURN2, turn2_body(m2, shape, salt=salt))]
         out.append(await ask(arm, Kind.TURN2_FRESH, turn2_body(m2, shape, salt=fresh(Kind.TURN2))))
-        if arm == Arm.TREATMENT:
-            control = asyncio.create_task(ask(Arm.CONTROL, Kind.TURN2, turn2_body(m2, shape, salt=salt)))
-            out.append(await ask(arm, Kind.PROBE, turn2_body(plan.probe_messages, shape, salt=salt, probe=True)))
-            out.append(
-                await ask(
-                    arm,
-                    Kind.PROBE_FRESH,
-                    turn2_body(plan.probe_messages, shape, salt=fresh(Kind.PROBE), probe=True),
-                )
-            )
+        control = (
+            asyncio.create_task(ask(Arm.CONTROL, Kind.TURN2, turn2_body(m2, shape, salt=salt)))
+            if arm == Arm.TREATMENT and Arm.CONTROL in endpoints
+            else None
+        )
+        # The probe's hit ends in the prefill-written region; on the reference it measures whether this engine
+        # is bit-exact there, so exactness is demanded only where it was measured.
+        out.append(await ask(arm, Kind.PROBE, turn2_body(plan.probe_messages, shape, salt=salt, probe=True)))
+        out.append(
+            await ask(arm, Kind.PROBE_FRESH, turn2_body(plan.probe_messages, shape, salt=fresh(Kind.PROBE), probe=True))
+        )
+        if control is not None:
             out.append(await control)
         return out
 
@@ -234,33 +279,21 @@ async def _settle(endpoint: Endpoint, limit_s: float) -> MetricsSnapshot:
     return last
 
 
-def _roles(before: Mapping[str, MetricsSnapshot]) -> list[Finding]:
-    """The servers must be what their roles say, or the comparison means nothing."""
-    problems = []
-    if geometry.prefix_caching(before[Arm.CONTROL]) is True:
-        problems.append("the control has prefix caching on: start it with --no-enable-prefix-caching")
-    if geometry.prefix_caching(before[Arm.TREATMENT]) is False:
-        problems.append("the treatment has prefix caching off: start it with --enable-prefix-caching")
-    reference = before.get(Arm.REFERENCE)
-    if reference is not None and reference.value(metrics.DRAFTS) is not None:
-        problems.append("the reference runs speculative decoding: start it without --speculative-config")
-    if reference is not None and geometry.prefix_caching(reference) is False:
-        problems.append("the reference has prefix caching off: start it with the treatment's cache flags")
-    if problems:
-        return [
-            Finding.from_error("roles", errors.UsageError("; ".join(problems), hint="fix the server flags and re-run"))
-        ]
-    return [Finding.passed("roles", "servers match their roles")]
-
-
-def _write_replays(store: RunStore, urls: Mapping[str, str], history: History, verdict: Verdict, key_env: str) -> None:
+def _write_replays(
+    store: RunStore,
+    urls: Mapping[str, str],
+    history: History,
+    verdict: Verdict,
+    key_env: str,
+    key_file: str | None = None,
+) -> None:
     flagged: set[int] = set()
     for f in verdict.findings:
         for m in f.figures.get("mismatches", ()) or ():
             flagged.add(int(m.get("conversation", m.get("round", -1))))
         flagged.update(int(c) for c in f.figures.get("forward_flips", ()) or ())
     flagged = flagged or {p.index for p in history.plans[:1]} or {r.index for r in history.races[:1]}
-    store.write_replays(urls, (e for e in history.exchanges if e.conversation in flagged), key_env)
+    store.write_replays(urls, (e for e in history.exchanges if e.conversation in flagged), key_env, key_file)
 
 
 def _finish(

@@ -10,19 +10,29 @@ from collections.abc import Sequence
 
 from blackbox import errors, metrics, race
 from blackbox.config import Grading
-from blackbox.history import Arm, History, Kind
+from blackbox.history import Arm, History, Kind, Plan
 from blackbox.verdict import Finding
 
-__all__ = ["all_gates", "decode_region_hits", "reaches_decode_region"]
+__all__ = ["all_gates", "decode_region_hits", "in_decode_region", "in_prefill_region", "reaches_decode_region"]
+
+
+def in_prefill_region(plan: Plan, cached: int) -> bool:
+    """A hit that ends inside turn 1's prompt resumes from a checkpoint written during prefill."""
+    return 0 < cached <= plan.turn1_prompt_tokens
+
+
+def in_decode_region(plan: Plan, cached: int) -> bool:
+    """A hit that ends past turn 1's prompt resumes from a checkpoint written while turn 1 was decoding (the block
+    the prompt ended in was completed by decode): the blocks speculative decoding wrote."""
+    return cached > plan.turn1_prompt_tokens
 
 
 def reaches_decode_region(history: History, conversation: int, arm: str) -> bool:
-    """Turn 2's hit covers at least one whole block past turn 1's prompt, i.e. a block written while decoding."""
     plan = history.plan(conversation)
     turn2 = history.get(conversation, arm, Kind.TURN2)
     if plan is None or turn2 is None or not turn2.ok or turn2.cached_tokens is None:
         return False
-    return turn2.cached_tokens >= plan.turn1_prompt_tokens + history.block_size
+    return in_decode_region(plan, turn2.cached_tokens)
 
 
 def decode_region_hits(history: History, arm: str) -> list[int]:
@@ -43,6 +53,35 @@ def endpoints(history: History) -> Finding:
             hint="see exchanges.jsonl in the run folder and the server log",
         ),
         failed=by_arm,
+    )
+
+
+def logprobs(history: History) -> Finding:
+    """Every answer that asked for logprobs carries finite ones: the graders compare logprobs, and an answer
+    without them (a server or proxy that drops the field) or with NaN would otherwise read as identical."""
+    asked = [e for e in history.exchanges if e.ok and e.request.get("logprobs") and (e.completion_tokens or e.text)]
+    missing = [e.case_id for e in asked if not e.tokens]
+    bad = [
+        e.case_id
+        for e in asked
+        if any(not math.isfinite(t.logprob) or any(not math.isfinite(v) for _, v in t.top) for t in e.tokens)
+    ]
+    if not missing and not bad:
+        return Finding.passed("logprobs", f"all {len(asked)} answers that asked for logprobs carry finite ones")
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} answers came without logprobs (first: {missing[0]})")
+    if bad:
+        problems.append(f"{len(bad)} answers carry NaN or infinite logprobs (first: {bad[0]})")
+    return Finding.from_error(
+        "logprobs",
+        errors.EndpointError(
+            "; ".join(problems),
+            hint="the server must honour `logprobs` and `top_logprobs` (check --max-logprobs, and any proxy in "
+            "between); NaN logprobs are a server fault of their own (vLLM #34587)",
+        ),
+        missing=missing[:20],
+        non_finite=bad[:20],
     )
 
 
@@ -119,7 +158,7 @@ def trigger(history: History, grading: Grading) -> Finding:
             "trigger",
             errors.TriggerNotExercised(
                 f"only {len(hits)} of {len(plans)} turn-2 hits reached a block written during decode (need {need}); "
-                f"a hit must cover turn 1's prompt plus {history.block_size} tokens",
+                "a hit must end past turn 1's prompt",
                 hint="keep decode-written checkpoints (--prefix-cache-retention-interval None on vLLM >= 0.32), "
                 "check --block-size, or raise --answer-blocks",
             ),
@@ -166,7 +205,7 @@ def drafter_live(history: History) -> Finding:
 
 
 def all_gates(history: History, grading: Grading, probes: Sequence[str] = ("multiturn",)) -> list[Finding]:
-    found = [endpoints(history), counters(history), cache_live(history)]
+    found = [endpoints(history), logprobs(history), counters(history), cache_live(history)]
     if "multiturn" in probes:
         found += [trigger(history, grading), drafter_live(history)]
     if "cold-race" in probes:

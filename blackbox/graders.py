@@ -1,145 +1,153 @@
 """Graders: is the treatment's output worse than what a correct engine gives for the same input?
 
-- exactness: where a correct engine is bit-exact (a hit that ends in the prefill-written region), the cache-hit
-  answer must equal the same server's no-reuse answer (fresh cache_salt) token for token, logprob for logprob.
-- recall: needle recall of the treatment against the control on identical turn-2 prompts; exact sign test of
-  forward flips (control right, treatment wrong) against reverse flips.
-- logprob: hits that reach decode-written blocks legitimately deviate from recomputation, so the treatment's
-  deviation (hit vs no-reuse) is judged against the same deviation on a reference server that resumes the same
-  way with speculative decoding off: on the largest pre-divergence deviation, a rank test (shift) and an exact
-  exceedance test (a subset beyond every reference value: a fault that fires in some conversations), and Fisher on
-  confident token flips, alpha/3 each.
+Every grader compares like with like and measures its own yardstick inside the run; none assumes bit-exactness.
 
-A grader without evidence returns a `NoEvidence` (or `ControlQualityFailure`) finding; `grade` leaves those out
-in auto mode and says so, but keeps them when the grader was asked for by name.
+- exactness: hits that end in the prefill-written region (the probe), hit vs recomputation (a fresh cache_salt) on
+  the treatment, against the same on the reference (same cache flags, no speculative decoding). Where the
+  reference is bit-exact, a treatment difference is beyond every reference value; where it is not (a prefill
+  chunked mid-block, a GPU's reduction order), the treatment must not deviate more than the reference does.
+- logprob: hits that resume from decode-written blocks (turn 2), the same comparison. A correct engine is not
+  exact there, with or without speculative decoding, so only the reference is a fair yardstick.
+- recall: needle recall on decode-region hits; a flip is the hit's answer disagreeing with both the treatment's
+  own no-reuse answer and the control's when those two agree; exact sign test of forward against reverse flips.
+- race-divergence (the cold-race probe, in `race`): follow-ups resumed from race-written blocks against cold
+  racers.
+
+One alpha for the run is split equally over the graders that are used (Bonferroni: the graders share data, so
+their tests are not independent, and Bonferroni holds under any dependence). A grader is used only if its sample
+could reach significance at its share (`InsufficientPower` otherwise, with the run length that would do); each
+one splits its share again over its own tests. Each PASS states what it could have seen.
+
+The deviation of a hit from its recomputation is the largest |Δ logprob| over every token both sides list (chosen
+and top-k) at each position up to and including the first differing token, infinite where the tokens part while
+recomputation was sure (its top-1 margin >= `hard_margin`): a wrong state moves runners-up and flips near-ties as
+readily as it moves the chosen token.
 """
 
 from __future__ import annotations
 
-import statistics
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from blackbox import errors, race, stats
+from blackbox.compare import deviation
 from blackbox.config import GRADERS, Grading
-from blackbox.gates import decode_region_hits
-from blackbox.history import Arm, Exchange, History, Kind, TokenLogprob
+from blackbox.evidence import POWER, Sample, judge_samples
+from blackbox.gates import in_decode_region, in_prefill_region, reaches_decode_region
+from blackbox.history import Arm, History, Kind, Plan
 from blackbox.verdict import Finding, Status
 
-__all__ = ["Divergence", "deviations", "divergence", "exactness", "grade", "logprob", "recall"]
+__all__ = ["GRADER_COVERS_TRIGGER", "Grades", "exactness", "grade", "logprob", "recall", "samples"]
+
+Region = Callable[[Plan, int], bool]  # (plan, cached tokens) -> the hit ends in the region
 
 
-@dataclass(frozen=True)
-class Divergence:
-    position: int  # first position whose chosen token differs; -1 when none does
-    margin: float | None  # the no-reuse arm's top-1 margin there
-
-
-def divergence(hit: Sequence[TokenLogprob], fresh: Sequence[TokenLogprob]) -> Divergence:
-    for i, (a, b) in enumerate(zip(hit, fresh, strict=False)):
-        if a.token != b.token:
-            return Divergence(i, b.margin)
-    return Divergence(-1, None)
-
-
-def deviations(hit: Sequence[TokenLogprob], fresh: Sequence[TokenLogprob]) -> tuple[float, float] | None:
-    """(first-token deviation, largest deviation before the first divergence) of a hit against recomputation.
-
-    The first-token deviation is the largest |Δ logprob| over the top-k tokens both arms list at position 0: on a
-    correct engine it is small (median ~0.06 on the tiny CPU model, ~3e-4 measured elsewhere). The second is the
-    larger of it and every |Δ chosen logprob| up to the first differing token: a wrong state often shows a few
-    tokens in rather than at once.
-    """
-    if not hit or not fresh:
-        return None
-    first = hit[0].gap(fresh[0])
-    end = divergence(hit, fresh).position
-    upto = len(hit) if end < 0 else end
-    before = (abs(a.logprob - b.logprob) for a, b in zip(hit[:upto], fresh[:upto], strict=False))
-    return first, max([first, *before])
-
-
-def _not_used(check: str, why: str, error: type[errors.Inconclusive] = errors.NoEvidence) -> Finding:
-    return Finding.from_error(check, error(why))
-
-
-def _pairs(history: History, arm: str, hit: str, fresh: str) -> list[tuple[int, Exchange, Exchange]]:
+def samples(
+    history: History, arm: str, pairs: Sequence[tuple[str, str]], region: Region, hard_margin: float
+) -> list[Sample]:
+    """Hits of `arm` (request kinds `pairs`: hit, no-reuse twin) whose cached length lies in `region`, each
+    against its twin. Answers without logprobs are left out: two empty lists compare equal vacuously (a gate
+    reports them)."""
     out = []
     for plan in history.plans:
-        a, b = history.get(plan.index, arm, hit), history.get(plan.index, arm, fresh)
-        if a is not None and b is not None and a.ok and b.ok:
-            out.append((plan.index, a, b))
+        for hit, fresh in pairs:
+            a, b = history.get(plan.index, arm, hit), history.get(plan.index, arm, fresh)
+            if a is None or b is None or not (a.ok and b.ok and a.tokens and b.tokens):
+                continue
+            if region(plan, a.cached_tokens or 0):
+                out.append(Sample(plan.index, hit, deviation(a.tokens, b.tokens, hard_margin), a.tokens != b.tokens))
     return out
 
 
-def exactness(history: History, grading: Grading) -> Finding:
-    checked: list[int] = []
-    mismatches: list[dict[str, object]] = []
-    for hit_kind, fresh_kind in ((Kind.PROBE, Kind.PROBE_FRESH), (Kind.TURN2, Kind.TURN2_FRESH)):
-        for conv, hit, fresh in _pairs(history, Arm.TREATMENT, hit_kind, fresh_kind):
-            plan = history.plan(conv)
-            cached = hit.cached_tokens or 0
-            if plan is None or not 0 < cached <= plan.turn1_prompt_tokens or not hit.tokens or not fresh.tokens:
-                continue  # only prefill-region hits carry the promise; without logprobs equality is vacuous
-            checked.append(conv)
-            diff = _first_difference(hit.tokens, fresh.tokens)
-            if diff is not None:
-                mismatches.append({"conversation": conv, "kind": hit_kind, "cached_tokens": cached, **diff})
-    figures = {"checked": len(checked), "mismatches": mismatches}
-    if not checked:
-        return _not_used("exactness", "no cache hit ended in the prefill-written region")
-    if mismatches:
-        convs = sorted({int(str(m["conversation"])) for m in mismatches})
-        return Finding.from_error(
-            "exactness",
-            errors.CorruptionDetected(
-                f"{len(mismatches)} of {len(checked)} prefill-region cache hits differ from recomputation on the same "
-                f"server (conversations {convs}); a correct engine is bit-exact here",
-                hint="replay the listed conversations with the commands in the run folder's replay/",
-            ),
-            **figures,
+@dataclass(frozen=True)
+class _Comparison:
+    check: str
+    region: str  # what the hits are, for messages
+    pairs: tuple[tuple[str, str], ...]  # (hit, no-reuse twin) request kinds
+    where: Region
+
+
+_BOTH = ((Kind.PROBE, Kind.PROBE_FRESH), (Kind.TURN2, Kind.TURN2_FRESH))
+# A turn-2 hit that stops inside the prompt (a missing decode checkpoint) is a prefill-region hit like the probe.
+_EXACTNESS = _Comparison("exactness", "prefill-region", _BOTH, in_prefill_region)
+_LOGPROB = _Comparison("logprob", "decode-region", _BOTH[1:], in_decode_region)
+
+
+def exactness(history: History, grading: Grading, alpha: float | None = None) -> Finding:
+    return _versus_reference(history, grading, _EXACTNESS, grading.alpha if alpha is None else alpha)
+
+
+def logprob(history: History, grading: Grading, alpha: float | None = None) -> Finding:
+    return _versus_reference(history, grading, _LOGPROB, grading.alpha if alpha is None else alpha)
+
+
+def _versus_reference(history: History, grading: Grading, c: _Comparison, alpha: float) -> Finding:
+    if Arm.REFERENCE not in history.arms():
+        return _not_used(
+            c.check,
+            "needs a reference server (the treatment's flags without speculative decoding): without one this run "
+            f"cannot measure how far a correct engine's {c.region} hits deviate from recomputation",
         )
-    return Finding.passed("exactness", f"{len(checked)} prefill-region hits identical to recomputation", **figures)
+    t = samples(history, Arm.TREATMENT, c.pairs, c.where, grading.hard_margin)
+    r = samples(history, Arm.REFERENCE, c.pairs, c.where, grading.hard_margin)
+    if not t or not r:
+        return _not_used(c.check, f"no {c.region} hits to compare (treatment {len(t)}, reference {len(r)})")
+    worst = sorted(t, key=lambda s: -s.deviation)[:5]
+    return judge_samples(
+        c.check,
+        t,
+        r,
+        alpha=alpha,
+        what=f"treatment {c.region} hits",
+        against="the reference's",
+        runs=len(history.plans),
+        hint=f"replay conversations {[s.unit for s in worst]} (the largest deviations) from the run folder's replay/",
+    )
 
 
-def _first_difference(a: Sequence[TokenLogprob], b: Sequence[TokenLogprob]) -> dict[str, object] | None:
-    if len(a) != len(b):
-        return {"position": min(len(a), len(b)), "what": f"length {len(a)} vs {len(b)}"}
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        if x != y:  # token, logprob and top-k alike
-            return {"position": i, "what": f"{x.token!r} {x.logprob:.6g} vs {y.token!r} {y.logprob:.6g}"}
-    return None
+def _recalled(text: str, answer: str) -> bool:
+    return answer in " ".join(text.lower().split())
 
 
-def _recalled(exchange: Exchange | None, answer: str) -> bool:
-    return exchange is not None and answer in " ".join(exchange.text.lower().split())
-
-
-def recall(history: History, grading: Grading) -> Finding:
-    convs = decode_region_hits(history, Arm.TREATMENT)
-    rows = []
-    for conv in convs:
-        plan = history.plan(conv)
-        t, c = history.get(conv, Arm.TREATMENT, Kind.TURN2), history.get(conv, Arm.CONTROL, Kind.TURN2)
-        if plan is not None and c is not None and c.ok:
-            rows.append((conv, _recalled(t, plan.answer), _recalled(c, plan.answer)))
+def recall(history: History, grading: Grading, alpha: float | None = None) -> Finding:
+    alpha = grading.alpha if alpha is None else alpha
+    rows = []  # (conversation, hit right, no-reuse right, control right)
+    for plan in history.plans:
+        hit, fresh = (
+            history.get(plan.index, Arm.TREATMENT, Kind.TURN2),
+            history.get(plan.index, Arm.TREATMENT, Kind.TURN2_FRESH),
+        )
+        # Single-endpoint mode: the treatment's own no-reuse answer is the only baseline.
+        control = history.get(plan.index, Arm.CONTROL, Kind.TURN2) or fresh
+        if hit is None or fresh is None or control is None or not (hit.ok and fresh.ok and control.ok):
+            continue
+        if reaches_decode_region(history, plan.index, Arm.TREATMENT):
+            answers = (hit.text, fresh.text, control.text)
+            rows.append((plan.index, *(_recalled(a, plan.answer) for a in answers)))
     if not rows:
-        return _not_used("recall", "no conversation has both a decode-region hit and a control answer")
-    forward = [conv for conv, t_ok, c_ok in rows if c_ok and not t_ok]
-    reverse = [conv for conv, t_ok, c_ok in rows if t_ok and not c_ok]
-    control_recall = sum(c for _, _, c in rows) / len(rows)
-    treatment_recall = sum(t for _, t, _ in rows) / len(rows)
+        return _not_used("recall", "no conversation has a decode-region hit with its no-reuse and control answers")
+    control_recall = sum(r[3] for r in rows) / len(rows)
+    # A flip counts only where the two baselines agree: corruption is hit vs no-reuse on the same server, so a
+    # treatment that is simply a weaker model than the control shows as disagreeing baselines, not as flips.
+    right = [r for r in rows if r[2] and r[3]]
+    forward = [r[0] for r in right if not r[1]]
+    reverse = [r[0] for r in rows if r[1] and not r[2] and not r[3]]
     test = stats.sign_test(len(forward), len(reverse))
-    k = stats.min_flips_detectable(grading.alpha)
+    critical = stats.sign_critical(len(right), alpha)
+    q = stats.detectable_fraction(len(right), critical, POWER)
     figures = {
         "n": len(rows),
+        "baselines_right": len(right),
         "control_recall": control_recall,
-        "treatment_recall": treatment_recall,
+        "no_reuse_recall": sum(r[2] for r in rows) / len(rows),
+        "treatment_recall": sum(r[1] for r in rows) / len(rows),
         "forward_flips": forward,
         "reverse_flips": reverse,
         "p_value": test.p_value,
-        "alpha": grading.alpha,
-        "min_detectable_drop": k / len(rows),
+        "alpha": alpha,
+        "detectable_fraction": q,
+        "detection_power": POWER,
     }
     if control_recall < grading.min_control_recall:
         return Finding.from_error(
@@ -147,133 +155,106 @@ def recall(history: History, grading: Grading) -> Finding:
             errors.ControlQualityFailure(
                 f"the control recalls {control_recall:.0%} of needles (< {grading.min_control_recall:.0%}): the model "
                 "cannot do the task, so recall says nothing about the cache",
-                hint="use a model that can recall, or grade with --grader logprob",
+                hint="use a model that can recall, or add --reference for the logprob grader",
             ),
             **figures,
         )
-    detect = f"smallest detectable drop {k}/{len(rows)} = {k / len(rows):.0%}"
-    if test.p_value < grading.alpha:
+    if critical is None:
+        return Finding.from_error(
+            "recall",
+            errors.InsufficientPower(
+                f"{len(right)} decode-region hits whose baselines recalled cannot reach p < {alpha:.3g} even if every "
+                "one flipped",
+                hint=f"run more conversations (at least {math.floor(math.log2(1 / alpha)) + 1} recalled hits)",
+            ),
+            **figures,
+        )
+    if test.p_value < alpha:
         return Finding.from_error(
             "recall",
             errors.CorruptionDetected(
-                f"recall {treatment_recall:.0%} vs control {control_recall:.0%}: {len(forward)} forward vs "
-                f"{len(reverse)} reverse flips, p = {test.p_value:.3g} < {grading.alpha} ({detect})",
+                f"the cache-hit answer lost the needle in {len(forward)} of {len(right)} conversations where the "
+                f"no-reuse and control answers had it ({len(reverse)} reverse flips), p = {test.p_value:.3g} < "
+                f"{alpha:.3g}",
                 hint=f"replay the forward flips: conversations {forward}",
             ),
             **figures,
         )
     return Finding.passed(
         "recall",
-        f"recall {treatment_recall:.0%} vs control {control_recall:.0%}, "
-        f"{len(forward)} forward / {len(reverse)} reverse flips, p = {test.p_value:.3g} ({detect})",
+        f"{len(forward)} forward / {len(reverse)} reverse flips over {len(rows)} decode-region hits, p = "
+        f"{test.p_value:.3g}; lost recall in >= {q:.0%} of hits would have been detected with probability {POWER}",
         **figures,
     )
 
 
-def _arm_deviations(history: History, arm: str, hard_margin: float) -> tuple[list[float], list[float], int, int]:
-    qualifying = set(decode_region_hits(history, arm))
-    firsts, prefixes, hard = [], [], 0
-    for conv, hit, fresh in _pairs(history, arm, Kind.TURN2, Kind.TURN2_FRESH):
-        dev = deviations(hit.tokens, fresh.tokens) if conv in qualifying else None
-        if dev is None:
-            continue
-        firsts.append(dev[0])
-        prefixes.append(dev[1])
-        d = divergence(hit.tokens, fresh.tokens)
-        hard += d.margin is not None and d.margin >= hard_margin
-    return firsts, prefixes, hard, len(firsts)
+def _not_used(check: str, why: str, error: type[errors.Inconclusive] = errors.NoEvidence) -> Finding:
+    return Finding.from_error(check, error(why))
 
 
-def logprob(history: History, grading: Grading) -> Finding:
-    if Arm.REFERENCE not in history.arms():
-        return _not_used("logprob", "needs a reference server (treatment flags, speculative decoding off)")
-    t_first, t_prefix, t_hard, n_t = _arm_deviations(history, Arm.TREATMENT, grading.hard_margin)
-    r_first, r_prefix, r_hard, n_r = _arm_deviations(history, Arm.REFERENCE, grading.hard_margin)
-    if n_t < 3 or n_r < 3:
-        return _not_used("logprob", f"too few decode-region hits to compare (treatment {n_t}, reference {n_r})")
-    tests = [
-        stats.mann_whitney_greater(t_prefix, r_prefix),
-        stats.exceedance(t_prefix, r_prefix),
-        stats.fisher_greater(t_hard, n_t - t_hard, r_hard, n_r - r_hard),
-    ]
-    level = grading.alpha / len(tests)
-    names = ("deviation shift", "deviations beyond the reference", "hard divergences")
-    figures = {
-        "n_treatment": n_t,
-        "n_reference": n_r,
-        "alpha_per_test": level,
-        "treatment_first_token": _summary(t_first),
-        "reference_first_token": _summary(r_first),
-        "treatment_prefix": _summary(t_prefix),
-        "reference_prefix": _summary(r_prefix),
-        "treatment_hard_divergences": t_hard,
-        "reference_hard_divergences": r_hard,
-        "p_values": {name: t.p_value for name, t in zip(names, tests, strict=True)},
-    }
-    failed = [f"{name} p = {t.p_value:.3g}" for name, t in zip(names, tests, strict=True) if t.p_value < level]
-    floor = f"noise floor (reference first-token p95) {stats.quantile(r_first, 0.95):.3g}"
-    if failed:
-        return Finding.from_error(
-            "logprob",
-            errors.CorruptionDetected(
-                f"decode-region hits deviate from recomputation more with speculative decoding than without: "
-                f"{'; '.join(failed)} (< {level:.3g}); treatment first-token median {statistics.median(t_first):.3g} "
-                f"vs reference {statistics.median(r_first):.3g}; {floor}",
-                hint="replay the conversations with the largest first-token deviation (figures in verdict.json)",
-            ),
-            **figures,
-        )
-    worst = min(t.p_value for t in tests)
-    return Finding.passed(
-        "logprob",
-        f"treatment deviations within the reference's ({floor}; smallest p = "
-        f"{worst:.3g} >= {level:.3g}; n = {n_t} vs {n_r})",
-        **figures,
-    )
+GraderFunction = Callable[[History, Grading, float], Finding]
+
+GRADER_FUNCTIONS: dict[str, GraderFunction] = {"exactness": exactness, "recall": recall, "logprob": logprob}
+# Whether a grader judges the hits the trigger gate proved (blocks written during speculative decode, or by a
+# fragmented race): a PASS needs at least one of these.
+GRADER_COVERS_TRIGGER = {"exactness": False, "recall": True, "logprob": True, "race-divergence": True}
 
 
-def _summary(values: Sequence[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    return {"median": statistics.median(values), "p95": stats.quantile(values, 0.95), "max": max(values)}
-
-
-GRADER_FUNCTIONS: dict[str, Callable[[History, Grading], Finding]] = {
-    "exactness": exactness,
-    "recall": recall,
-    "logprob": logprob,
-}
+def _race(history: History, grading: Grading, alpha: float) -> Finding:
+    return race.race_divergence(history, history.races, alpha, grading.hard_margin)
 
 
 @dataclass(frozen=True)
 class Grades:
     findings: tuple[Finding, ...]
     used: tuple[str, ...]
-    not_used: tuple[tuple[str, str], ...]  # (grader, why) in auto mode
+    not_used: tuple[tuple[str, str], ...]  # (grader, why)
+    alpha_per_grader: float | None = None
+
+
+_NOT_USABLE = {e.__name__ for e in (errors.NoEvidence, errors.InsufficientPower, errors.ControlQualityFailure)}
 
 
 def grade(history: History, grading: Grading, probes: Sequence[str] = ("multiturn",)) -> Grades:
-    chosen = (grading.graders or GRADERS) if "multiturn" in probes else ()
-    auto = not grading.graders
-    findings: list[Finding] = []
-    used: list[str] = []
-    not_used: list[tuple[str, str]] = []
+    """Run the graders the probes allow, at one alpha split over those that are used.
+
+    A grader with no evidence even at the whole alpha takes no share. The others are run at alpha / (how many
+    remain); any that cannot reach significance at that share drops out and the rest are run again at the larger
+    share, until every grader left is usable at its share (the set only shrinks, so this ends). In auto mode an
+    unusable grader is left out and said why; a grader named with --grader stays in, so the verdict is UNKNOWN
+    without its evidence."""
+    functions: dict[str, GraderFunction] = {}
+    if "multiturn" in probes:
+        functions |= {name: GRADER_FUNCTIONS[name] for name in (grading.graders or GRADERS)}
     if "cold-race" in probes:
-        findings.append(race.race_divergence(history, history.races, grading.alpha, grading.hard_margin))
-        used.append("race-divergence")
-    for name in chosen:
-        crashed = False
-        try:
-            finding = GRADER_FUNCTIONS[name](history, grading)
-        except Exception as exc:  # a grader's own bug is UNKNOWN, never PASS
-            finding = Finding(name, Status.UNKNOWN, f"grader crashed: {type(exc).__name__}: {exc}", {}, "NoEvidence")
-            crashed = True
-        if auto and finding.status is Status.UNKNOWN and not crashed:  # a crash is not a lack of evidence
+        functions["race-divergence"] = _race
+    named = set(grading.graders) | ({"race-divergence"} if "cold-race" in probes else set())
+    latest = {name: _call(name, fn, history, grading, grading.alpha) for name, fn in functions.items()}
+    usable = [name for name, f in latest.items() if _usable(f)]
+    while usable:
+        share = grading.alpha / len(usable)
+        latest |= {name: _call(name, functions[name], history, grading, share) for name in usable}
+        still = [name for name in usable if _usable(latest[name])]
+        if still == usable:
+            break
+        usable = still
+    findings: list[Finding] = []
+    not_used: list[tuple[str, str]] = []
+    for name, finding in latest.items():
+        if name in usable or name in named or finding.error_class not in _NOT_USABLE:
+            findings.append(finding)  # used, asked for by name, or a grader's crash: never left out quietly
+        else:
             not_used.append((name, finding.reason))
-            continue
-        findings.append(finding)
-        used.append(name)
-    if not findings:
-        why = "; ".join(f"{n}: {w}" for n, w in not_used)
-        findings.append(Finding.from_error("graders", errors.NoEvidence(f"no grader had evidence to judge ({why})")))
-    return Grades(tuple(findings), tuple(used), tuple(not_used))
+    return Grades(tuple(findings), tuple(usable), tuple(not_used), grading.alpha / len(usable) if usable else None)
+
+
+def _usable(finding: Finding) -> bool:
+    return finding.status in (Status.PASS, Status.FAIL)
+
+
+def _call(name: str, fn: GraderFunction, history: History, grading: Grading, alpha: float) -> Finding:
+    try:
+        finding = fn(history, grading, alpha)
+    except Exception as exc:  # a grader's own bug is UNKNOWN, never PASS
+        finding = Finding(name, Status.UNKNOWN, f"grader crashed: {type(exc).__name__}: {exc}", {}, "GraderCrashed")
+    return replace(finding, stage="grader", covers_trigger=GRADER_COVERS_TRIGGER.get(name, False))

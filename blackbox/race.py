@@ -27,11 +27,13 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from blackbox import errors, stats
+from blackbox import errors
 from blackbox.client import Endpoint
-from blackbox.history import Arm, Exchange, History, TokenLogprob
+from blackbox.compare import deviation
+from blackbox.evidence import Sample, judge_samples
+from blackbox.history import Arm, Exchange, History
 from blackbox.metrics import MetricsDelta
 from blackbox.verdict import Finding
 from blackbox.vocabulary import FILLER, NAMES
@@ -72,14 +74,6 @@ class RaceRound:
     prompt_tokens: int
     racers: int
     followups: int
-
-
-@dataclass(frozen=True)
-class _Sample:
-    round: int
-    kind: str
-    deviation: float
-    identical: bool
 
 
 def _body(messages: Sequence[Mapping[str, str]], settings: RaceSettings, salt: str) -> dict[str, object]:
@@ -164,109 +158,66 @@ async def drive(
     return rounds
 
 
-def deviation(answer: Sequence[TokenLogprob], fresh: Sequence[TokenLogprob], hard_margin: float) -> float:
-    """Largest |Δ logprob| over the tokens both sides list (chosen and top-k), at every position up to and
-    including the first differing token: the context is still shared there, so a near-tie flip is compared like
-    any other position, not dropped. Infinite when the tokens part where recomputation was sure (top-1 margin
-    >= `hard_margin`) or the lengths differ: a near-tie flip is noise, a confident one not."""
-    worst = 0.0
-    for a, b in zip(answer, fresh, strict=False):
-        worst = max(worst, a.gap(b))
-        if a.token != b.token:
-            return float("inf") if (b.margin or 0.0) >= hard_margin else worst
-    return worst if len(answer) == len(fresh) else float("inf")
-
-
-def _compare(e: Exchange | None, ref: Exchange | None, hard_margin: float) -> _Sample | None:
+def _compare(e: Exchange | None, ref: Exchange | None, hard_margin: float, length: int | None = None) -> Sample | None:
     # Without logprobs two answers compare equal vacuously: such answers are no evidence.
     if e is None or ref is None or not (e.ok and ref.ok and e.tokens and ref.tokens):
         return None
+    mine, theirs = e.tokens[:length], ref.tokens[:length]
     # TokenLogprob equality is token, logprob and top-k alike: bit for bit.
-    return _Sample(e.conversation, e.kind, deviation(e.tokens, ref.tokens, hard_margin), e.tokens == ref.tokens)
+    return Sample(e.conversation, e.kind, deviation(mine, theirs, hard_margin), mine != theirs)
 
 
-def _samples(history: History, rounds: Sequence[RaceRound], hard_margin: float) -> tuple[list[_Sample], list[_Sample]]:
-    """Cold racers against recomputation, and follow-ups that hit against theirs."""
-    cold: list[_Sample] = []
-    hit: list[_Sample] = []
+def _samples(history: History, rounds: Sequence[RaceRound], hard_margin: float) -> tuple[list[Sample], list[Sample]]:
+    """Cold racers against recomputation, and follow-ups that hit against theirs. Racers decode much longer than
+    follow-ups, and a longer answer has more positions to deviate at, so a racer is compared over as many tokens
+    as the round's longest follow-up answer: like against like."""
+    cold: list[Sample] = []
+    hit: list[Sample] = []
     for r in rounds:
+        follows = [
+            (
+                history.get(r.index, Arm.TREATMENT, f"follow-{f}"),
+                history.get(r.index, Arm.TREATMENT, f"follow-{f}-fresh"),
+            )
+            for f in range(r.followups)
+        ]
+        length = max((len(e.tokens) for e, _ in follows if e is not None and e.ok), default=0) or None
         fresh = history.get(r.index, Arm.TREATMENT, "race-fresh")
         for j in range(r.racers):
             e = history.get(r.index, Arm.TREATMENT, f"race-{j}")
-            sample = _compare(e, fresh, hard_margin)
+            sample = _compare(e, fresh, hard_margin, length)
             if sample is not None and e is not None and not e.cached_tokens:
                 cold.append(sample)
-        for f in range(r.followups):
-            e = history.get(r.index, Arm.TREATMENT, f"follow-{f}")
-            sample = _compare(e, history.get(r.index, Arm.TREATMENT, f"follow-{f}-fresh"), hard_margin)
+        for e, e_fresh in follows:
+            sample = _compare(e, e_fresh, hard_margin)
             if sample is not None and e is not None and e.cached_tokens:
                 hit.append(sample)
     return cold, hit
 
 
 def race_divergence(history: History, rounds: Sequence[RaceRound], alpha: float, hard_margin: float) -> Finding:
+    """Follow-ups that resumed from race-written blocks against cold racers (the race's own chunking noise). Where
+    every cold racer is bit-identical to recomputation the engine is exact for this geometry, so the count test
+    counts any difference; otherwise confident flips (see `evidence`)."""
     cold, hit = _samples(history, rounds, hard_margin)
-    figures: dict[str, object] = {
-        "cold": len(cold),
-        "hits": len(hit),
-        "cold_identical": sum(c.identical for c in cold),
-        "hit_identical": sum(h.identical for h in hit),
-        "cold_deviation": _summary([c.deviation for c in cold]),
-        "hit_deviation": _summary([h.deviation for h in hit]),
-        "distinct_outputs": _distinct_outputs(history, rounds),
-    }
+    extra: dict[str, object] = {"distinct_outputs": _distinct_outputs(history, rounds)}
     if not hit or not cold:
         why = f"{len(hit)} follow-ups resumed from race-written blocks, {len(cold)} cold racers to calibrate on"
-        return Finding.from_error("race-divergence", errors.NoEvidence(f"nothing to compare: {why}"), **figures)
-    hint = "replay the listed rounds with the commands in the run folder's replay/"
-    if all(c.identical for c in cold):
-        bad = [{"round": h.round, "kind": h.kind} for h in hit if not h.identical]
-        figures |= {"mode": "exact", "mismatches": bad}
-        if bad:
-            return Finding.from_error(
-                "race-divergence",
-                errors.CorruptionDetected(
-                    f"{len(bad)} of {len(hit)} follow-ups that resumed from race-written blocks differ from "
-                    f"recomputation, while all {len(cold)} cold racers match it bit for bit",
-                    hint=hint,
-                ),
-                **figures,
-            )
-        return Finding.passed(
-            "race-divergence",
-            f"{len(hit)} follow-ups and {len(cold)} cold racers identical to recomputation",
-            **figures,
-        )
-    x, y = [h.deviation for h in hit], [c.deviation for c in cold]
-    hard_x, hard_y = sum(v == float("inf") for v in x), sum(v == float("inf") for v in y)
-    tests = [stats.mann_whitney_greater(x, y), stats.fisher_greater(hard_x, len(x) - hard_x, hard_y, len(y) - hard_y)]
-    level = alpha / len(tests)
-    # The largest finite cold deviation: one confidently flipped cold racer must not hide every hard follow-up.
-    noise = max((v for v in y if v != float("inf")), default=0.0)
-    figures |= {
-        "mode": "noise",
-        "p_values": {"deviation": tests[0].p_value, "hard divergences": tests[1].p_value},
-        "alpha_per_test": level,
-        "mismatches": [{"round": h.round, "kind": h.kind} for h in hit if h.deviation > noise],
-    }
-    smallest = min(t.p_value for t in tests)
-    if smallest < level:
-        return Finding.from_error(
-            "race-divergence",
-            errors.CorruptionDetected(
-                f"follow-ups resuming from race-written blocks deviate from recomputation more than cold racers do: "
-                f"deviation p = {tests[0].p_value:.3g}, hard divergences {hard_x}/{len(x)} vs {hard_y}/{len(y)} "
-                f"(p = {tests[1].p_value:.3g}); alpha {level:.3g} each",
-                hint=hint,
-            ),
-            **figures,
-        )
-    return Finding.passed(
+        return Finding.from_error("race-divergence", errors.NoEvidence(f"nothing to compare: {why}"), **extra)
+    finding = judge_samples(
         "race-divergence",
-        f"{len(hit)} follow-ups within the {len(cold)} cold racers' chunking "
-        f"noise (smallest p = {smallest:.3g} >= {level:.3g})",
-        **figures,
+        hit,
+        cold,
+        alpha=alpha,
+        what="follow-ups resumed from race-written blocks",
+        against="the cold racers'",
+        runs=len(rounds),
+        hint="replay the listed rounds with the commands in the run folder's replay/",
+        run_unit="race rounds",
     )
+    if "counted" in finding.figures:
+        extra["mode"] = "exact" if finding.figures["counted"] == "differs" else "noise"
+    return replace(finding, figures={**finding.figures, **extra})
 
 
 def _distinct_outputs(history: History, rounds: Sequence[RaceRound]) -> dict[int, dict[str, int]]:
@@ -287,16 +238,6 @@ def _distinct_outputs(history: History, rounds: Sequence[RaceRound]) -> dict[int
             "followups_differing": sum(a.text != b.text for a, b in pairs if a and b and a.ok and b.ok),
         }
     return out
-
-
-def _summary(values: Sequence[float]) -> dict[str, float]:
-    finite = [v for v in values if v != float("inf")]
-    return {
-        "n": len(values),
-        "hard": len(values) - len(finite),
-        "median_finite": stats.quantile(finite, 0.5) if finite else 0.0,
-        "max_finite": max(finite, default=0.0),
-    }
 
 
 async def send_liveness(

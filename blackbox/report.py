@@ -48,26 +48,12 @@ def summary(result: RunResult) -> str:
     rec = _fig(by_check, "recall")
     if rec:
         lines.append(
-            f"  recall          treatment {_fmt(rec.get('treatment_recall'), '.0%')} vs control "
-            f"{_fmt(rec.get('control_recall'), '.0%')}; flips {len(rec.get('forward_flips', []))} forward / "
-            f"{len(rec.get('reverse_flips', []))} reverse, p = {_fmt(rec.get('p_value'))}"
+            f"  recall          hit {_fmt(rec.get('treatment_recall'), '.0%')} vs no-reuse "
+            f"{_fmt(rec.get('no_reuse_recall'), '.0%')} vs control {_fmt(rec.get('control_recall'), '.0%')}; flips "
+            f"{len(rec.get('forward_flips', []))} forward / {len(rec.get('reverse_flips', []))} reverse, "
+            f"p = {_fmt(rec.get('p_value'))}"
         )
-    lp = _fig(by_check, "logprob")
-    if lp:
-        t, r = lp.get("treatment_first_token") or {}, lp.get("reference_first_token") or {}
-        lines.append(
-            f"  first token     |Δ logprob| median {_fmt(t.get('median'))} (treatment) vs "
-            f"{_fmt(r.get('median'))} (reference); noise floor p95 {_fmt(r.get('p95'))}"
-        )
-        ps = ", ".join(f"{k} {p:.3g}" for k, p in (lp.get("p_values") or {}).items())
-        lines.append(f"  logprob tests   {ps}")
-    ex = _fig(by_check, "exactness")
-    if ex:
-        lines.append(
-            f"  exactness       {ex.get('checked')} prefill-region hits, "
-            f"{len(ex.get('mismatches', []))} differ from recomputation"
-        )
-    rt, rd = _fig(by_check, "race-trigger"), _fig(by_check, "race-divergence")
+    rt = _fig(by_check, "race-trigger")
     if rt:
         step = rt.get("largest_step_tokens") or 0
         split = sum(1 for n in (rt.get("round_computed_tokens") or {}).values() if n > step)
@@ -75,17 +61,26 @@ def summary(result: RunResult) -> str:
             f"  cold race       largest step {_fmt(step, 'g')} tokens; {split} rounds computed more; "
             f"{len(rt.get('rounds_resumed') or [])} rounds' follow-ups resumed from race-written blocks"
         )
-    if rd:
-        c, h = rd.get("cold_deviation") or {}, rd.get("hit_deviation") or {}
-        ps = ", ".join(f"{k} {p:.3g}" for k, p in (rd.get("p_values") or {}).items())
+    for check, label in (("exactness", "prefill hits"), ("logprob", "decode hits"), ("race-divergence", "race")):
+        fig = _fig(by_check, check)
+        if "subject_deviation" not in fig:
+            continue
+        t, r = fig.get("subject_deviation") or {}, fig.get("yardstick_deviation") or {}
+        ps = ", ".join(f"{k} {p:.3g}" for k, p in (fig.get("p_values") or {}).items())
         lines.append(
-            f"  race deviation  follow-ups median {_fmt(h.get('median_finite'))} (max {_fmt(h.get('max_finite'))}, "
-            f"{h.get('hard', 0)} hard) vs cold racers {_fmt(c.get('median_finite'))} (max {_fmt(c.get('max_finite'))})"
-            f"; mode {rd.get('mode', 'n/a')}" + (f"; {ps}" if ps else "")
+            f"  {label:<15} |Δ| median {_fmt(t.get('median'))} (n {fig.get('n_subject')}, "
+            f"{fig.get('subject_identical')} identical) vs yardstick {_fmt(r.get('median'))} "
+            f"(n {fig.get('n_yardstick')}, {fig.get('yardstick_identical')} identical, max {_fmt(r.get('max_finite'))})"
+        )
+        q = fig.get("detectable_fraction")
+        lines.append(
+            f"  {'':<15} {ps}; alpha {_fmt(fig.get('alpha'))}; detects >= {_fmt(q, '.0%')} of hits "
+            f"beyond the yardstick (power {fig.get('detection_power')})"
         )
     if result.grades:
         used = ", ".join(result.grades.used) or "none"
-        lines.append(f"  graders         {used}")
+        share = f" (alpha {result.grades.alpha_per_grader:.3g} each)" if result.grades.alpha_per_grader else ""
+        lines.append(f"  graders         {used}{share}")
         lines.extend(f"                  (not used: {g}: {why})" for g, why in result.grades.not_used)
     lines.append("")
     for f in v.findings:

@@ -1,6 +1,13 @@
-"""Small exact and asymptotic tests, in plain Python so the tester carries no numeric stack.
+"""The tests the graders use, and what a sample of a given size could ever show.
 
-Every test here is one-sided in the direction "the treatment is worse".
+Every test is one-sided in the direction "the treatment is worse". The tests come from scipy.stats; only the
+exceedance test is written here, because scipy has no test for "a subset of x lies beyond every y" (it is checked
+against an enumeration of permutations in the tests).
+
+Power. A grader asks, before it tests, whether its sample could reach significance at all: for the two-sample
+rank, exceedance and Fisher tests the smallest attainable one-sided p-value is 1 / C(n_x + n_y, n_x) (every x
+above every y), and for the sign test 2^-n. A grader whose smallest attainable p cannot beat its share of alpha
+is not run (`InsufficientPower`), since "no significant difference" from it would mean nothing.
 """
 
 from __future__ import annotations
@@ -9,7 +16,26 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["TestResult", "exceedance", "fisher_greater", "mann_whitney_greater", "min_flips_detectable", "sign_test"]
+from scipy import stats as sp
+
+__all__ = [
+    "TestResult",
+    "conversations_needed",
+    "detectable_fraction",
+    "exceedance",
+    "exceedance_critical",
+    "fisher_critical",
+    "fisher_greater",
+    "mann_whitney_greater",
+    "min_p_sign",
+    "min_p_two_sample",
+    "quantile",
+    "sign_critical",
+    "sign_test",
+]
+
+# Below this many values an arm, Mann-Whitney's normal approximation is anti-conservative; enumerate instead.
+_EXACT_BELOW = 10
 
 
 @dataclass(frozen=True)
@@ -24,35 +50,38 @@ class TestResult:
 
 
 def sign_test(forward: int, reverse: int) -> TestResult:
-    """Exact binomial test that forward flips outnumber reverse flips: P(X >= forward), X ~ Bin(f + r, 1/2)."""
+    """Exact binomial (sign) test that forward flips outnumber reverse flips: P(X >= forward), X ~ Bin(f + r, 1/2).
+    Flips are paired outcomes of one conversation, so the sign test is the exact test for them (McNemar's)."""
     n = forward + reverse
-    p = sum(math.comb(n, k) for k in range(forward, n + 1)) / 2**n if n else 1.0
-    return TestResult("exact sign test (forward vs reverse flips)", float(forward), p, n)
-
-
-def min_flips_detectable(alpha: float) -> int:
-    """The fewest forward flips (with no reverse flip) that the sign test calls significant (p < `alpha`)."""
-    # 2**-k < alpha strictly: ceil(log2(1/alpha)) is one short when alpha is a power of 1/2.
-    return max(1, math.floor(math.log2(1 / alpha)) + 1)
+    p = sp.binomtest(forward, n, 0.5, alternative="greater").pvalue if n else 1.0
+    return TestResult("exact sign test (forward vs reverse flips)", float(forward), float(p), n)
 
 
 def mann_whitney_greater(x: Sequence[float], y: Sequence[float]) -> TestResult:
-    """Mann-Whitney U test that x tends to exceed y; normal approximation with tie and continuity correction.
+    """Mann-Whitney U test that x tends to exceed y (a shift of the whole deviation distribution).
 
-    Exact enough from ~8 samples an arm; with fewer the p-value is conservative-leaning but still reported.
-    """
+    scipy's exact null distribution has no tie correction, and its normal approximation is anti-conservative for
+    small arms, so small samples use a permutation test over the same statistic (exact enumeration where scipy
+    can afford it); larger ones the tie-corrected normal approximation with continuity correction."""
+    name = "Mann-Whitney U (treatment > reference)"
     n1, n2 = len(x), len(y)
-    if n1 == 0 or n2 == 0:
-        return TestResult("Mann-Whitney U (treatment > reference)", 0.0, 1.0, n1 + n2)
-    ranks = _ranks([*x, *y])
-    u = sum(ranks[:n1]) - n1 * (n1 + 1) / 2
-    n = n1 + n2
-    ties = _tie_term([*x, *y])
-    var = n1 * n2 / 12 * ((n + 1) - ties / (n * (n - 1)))
-    if var <= 0:
-        return TestResult("Mann-Whitney U (treatment > reference)", u, 1.0, n)
-    z = (u - n1 * n2 / 2 - 0.5) / math.sqrt(var)
-    return TestResult("Mann-Whitney U (treatment > reference)", u, 0.5 * math.erfc(z / math.sqrt(2)), n)
+    if n1 == 0 or n2 == 0 or len({*x, *y}) == 1:
+        return TestResult(name, 0.0, 1.0, n1 + n2)
+    if min(n1, n2) < _EXACT_BELOW:
+        method: object = sp.PermutationMethod(n_resamples=20_000, random_state=0)
+    else:
+        method = "asymptotic"
+    result = sp.mannwhitneyu(list(x), list(y), alternative="greater", method=method)
+    return TestResult(name, float(result.statistic), float(result.pvalue), n1 + n2)
+
+
+def fisher_greater(a: int, b: int, c: int, d: int) -> TestResult:
+    """Fisher's exact test that the rate a/(a+b) exceeds c/(c+d): counts of confident flips or mismatches in two
+    independent samples, where the counts are small and no approximation holds."""
+    if a + b + c + d == 0:
+        return TestResult("Fisher exact (treatment rate > reference rate)", 0.0, 1.0, 0)
+    p = sp.fisher_exact([[a, b], [c, d]], alternative="greater").pvalue
+    return TestResult("Fisher exact (treatment rate > reference rate)", float(a), min(1.0, float(p)), a + b + c + d)
 
 
 def exceedance(x: Sequence[float], y: Sequence[float]) -> TestResult:
@@ -64,40 +93,67 @@ def exceedance(x: Sequence[float], y: Sequence[float]) -> TestResult:
         return TestResult("exceedance (treatment beyond the reference's max)", 0.0, 1.0, n1 + n2)
     top = max(y)
     m = sum(v > top for v in x)
-    p = math.comb(n1, m) / math.comb(n1 + n2, m)
-    return TestResult("exceedance (treatment beyond the reference's max)", float(m), p, n1 + n2)
+    return TestResult("exceedance (treatment beyond the reference's max)", float(m), _exceed_p(n1, n2, m), n1 + n2)
 
 
-def fisher_greater(a: int, b: int, c: int, d: int) -> TestResult:
-    """Fisher's exact test that the rate a/(a+b) exceeds c/(c+d): P(X >= a) under the hypergeometric law."""
-    row1, col1, n = a + b, a + c, a + b + c + d
-    if n == 0:
-        return TestResult("Fisher exact (treatment rate > reference rate)", 0.0, 1.0, 0)
-    denom = math.comb(n, col1)
-    top = min(row1, col1)
-    p = sum(math.comb(row1, k) * math.comb(n - row1, col1 - k) for k in range(a, top + 1)) / denom
-    return TestResult("Fisher exact (treatment rate > reference rate)", float(a), min(1.0, p), n)
+def _exceed_p(n1: int, n2: int, m: int) -> float:
+    return math.comb(n1, m) / math.comb(n1 + n2, m)
 
 
-def _ranks(values: Sequence[float]) -> list[float]:
-    order = sorted(range(len(values)), key=values.__getitem__)
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
+def min_p_two_sample(n1: int, n2: int) -> float:
+    """The smallest one-sided p-value a rank, exceedance or Fisher test of n1 against n2 values can reach."""
+    return 1.0 / math.comb(n1 + n2, n1) if n1 and n2 else 1.0
 
 
-def _tie_term(values: Sequence[float]) -> float:
-    counts: dict[float, int] = {}
-    for v in values:
-        counts[v] = counts.get(v, 0) + 1
-    return float(sum(t**3 - t for t in counts.values()))
+def min_p_sign(n: int) -> float:
+    return 0.5**n
+
+
+def exceedance_critical(n1: int, n2: int, alpha: float) -> int | None:
+    """The fewest x beyond max(y) that the exceedance test calls significant at `alpha`; None if none can."""
+    return next((m for m in range(1, n1 + 1) if _exceed_p(n1, n2, m) < alpha), None)
+
+
+def fisher_critical(n1: int, n2: int, count2: int, alpha: float) -> int | None:
+    """The fewest of n1 counted (against `count2` of n2) that Fisher's one-sided test calls significant."""
+    return next((a for a in range(1, n1 + 1) if fisher_greater(a, n1 - a, count2, n2 - count2).p_value < alpha), None)
+
+
+def sign_critical(n: int, alpha: float) -> int | None:
+    """The fewest forward flips (no reverse flip) among n paired rows that the sign test calls significant."""
+    return next((k for k in range(1, n + 1) if min_p_sign(k) < alpha), None)
+
+
+def detectable_fraction(n: int, critical: int | None, power: float = 0.95) -> float | None:
+    """Smallest fraction q of n units that, if each is independently corrupted with probability q, yields at least
+    `critical` corrupted units with probability `power` (binomial tail). None when no fraction can."""
+    if critical is None or critical > n:
+        return None
+    lo, hi = 0.0, 1.0
+    if sp.binom.sf(critical - 1, n, hi) < power:
+        return None
+    for _ in range(40):  # bisection on a monotone tail
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sp.binom.sf(critical - 1, n, mid) < power else (lo, mid)
+    return hi
+
+
+def conversations_needed(
+    conversations: int, units: int, alpha: float, fraction: float | None = None, power: float = 0.95
+) -> int | None:
+    """How many conversations a run needs, at the same yield of `units` per conversation, for a two-sample
+    exceedance test at `alpha` to be able to fail at all (fraction None), or to catch corruption in `fraction` of
+    the units with probability `power`. None when even 4096 conversations would not do."""
+    yield_ = units / conversations if conversations and units else 0.5
+    n_conv = max(2, conversations)
+    while n_conv <= 4096:
+        n = max(1, math.floor(n_conv * yield_))
+        crit = exceedance_critical(n, n, alpha)
+        q = detectable_fraction(n, crit, power) if crit is not None and fraction is not None else None
+        if crit is not None and (fraction is None or (q is not None and q <= fraction)):
+            return n_conv
+        n_conv += max(1, n_conv // 16)  # coarse steps: the answer is a planning figure, "about N"
+    return None
 
 
 def quantile(values: Sequence[float], q: float) -> float:

@@ -1,8 +1,15 @@
-"""Three-valued judgements and how they merge.
+"""Three-valued judgements and the one rule that merges them into a verdict.
 
-A `Finding` is one gate's or one grader's judgement; a `Verdict` merges them. FAIL beats ERROR beats UNKNOWN
-beats PASS, so one piece of evidence of corruption is never hidden by a gate that failed elsewhere, and a run
-with no PASS finding at all is never PASS.
+A `Finding` is one gate's or one grader's judgement. The verdict rule (`merge`):
+
+1. Gates first. If any gate failed (an endpoint, a role or comparability check, a counter reset, a cache or a
+   trigger not proven), the verdict is the worst failed gate (ERROR before UNKNOWN) and no grader counts: a
+   grader's FAIL on a run whose premises failed is not evidence of corruption.
+2. FAIL (exit 1) only when every gate passed and a grader found corruption.
+3. Otherwise the worst grader finding that is not PASS (a grader asked for by name without evidence, or a crash).
+4. PASS only when every gate passed, every grader used passed, and at least one of them judged the hits the
+   trigger proved (blocks written during speculative decode, or by a fragmented race) with the power to fail.
+   Anything else is UNKNOWN (`NoEvidence`).
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ class Finding:
     figures: Mapping[str, Any] = field(default_factory=dict)
     error_class: str | None = None
     hint: str = ""  # what to do next
+    stage: str = "gate"  # "gate": a premise of the run; "grader": a judgement of its outputs
+    covers_trigger: bool = False  # a grader that judged the hits the trigger gate proved
 
     @classmethod
     def passed(cls, check: str, reason: str, **figures: Any) -> Finding:
@@ -65,8 +74,23 @@ class Finding:
             "reason": self.reason,
             "error_class": self.error_class,
             "hint": self.hint,
+            "stage": self.stage,
+            "covers_trigger": self.covers_trigger,
             "figures": dict(self.figures),
         }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Finding:
+        return cls(
+            data["check"],
+            Status(data["status"]),
+            data["reason"],
+            dict(data.get("figures") or {}),
+            data.get("error_class"),
+            data.get("hint", ""),
+            data.get("stage", "gate"),
+            bool(data.get("covers_trigger", False)),
+        )
 
 
 @dataclass(frozen=True)
@@ -90,14 +114,38 @@ class Verdict:
 
 
 def merge(findings: Iterable[Finding]) -> Verdict:
-    """The worst finding decides; no findings at all is UNKNOWN (`NoEvidence`), never PASS."""
+    """The verdict rule of the module docstring."""
     found = tuple(findings)
-    if not found:
-        return Verdict(Status.UNKNOWN, "no check produced a finding", "NoEvidence", found, 2)
-    worst = max(found, key=lambda f: f.status.rank)
+    gates = [f for f in found if f.stage != "grader"]
+    graders = [f for f in found if f.stage == "grader"]
+    failed_gates = [f for f in gates if f.status is not Status.PASS]
+    if failed_gates:
+        return _from(max(failed_gates, key=lambda f: f.status.rank), found)
+    failed = [f for f in graders if f.status is not Status.PASS]
+    if failed:
+        return _from(max(failed, key=lambda f: f.status.rank), found)
+    covering = [f for f in graders if f.covers_trigger]
+    if not covering:
+        why = (
+            "no grader ran"
+            if not graders
+            else f"{', '.join(f.check for f in graders)} judged no hit the trigger proved (decode-written blocks)"
+        )
+        return Verdict(
+            Status.UNKNOWN,
+            f"every gate passed, but {why}: this run could not have seen the corruption it looks for",
+            "NoEvidence",
+            found,
+            2,
+            "add --reference (the treatment's flags without speculative decoding) for the logprob grader, or use "
+            "a model that recalls needles for the recall grader",
+        )
+    statement = "; ".join(f"{f.check}: {f.reason}" for f in covering)
+    return Verdict(Status.PASS, f"every gate passed; {statement}", None, found, 0)
+
+
+def _from(worst: Finding, found: tuple[Finding, ...]) -> Verdict:
     exit_code = _EXIT.get(worst.status) or _error_exit(worst)
-    if worst.status is Status.PASS:
-        return Verdict(Status.PASS, "every check passed: " + ", ".join(f.check for f in found), None, found, 0)
     return Verdict(worst.status, f"{worst.check}: {worst.reason}", worst.error_class, found, exit_code, worst.hint)
 
 

@@ -13,16 +13,20 @@ from servers.vllm_plugin.faults import fired_counts
 
 from engine_env import BASE_PORT, CACHE, blackbox_cli
 
-# fault -> (profile, probe, the checks that should catch it)
+# fault -> (profile, probe, the grader that must catch it). The hit faults fire on hits that resume from
+# decode-written blocks, so the decode-region grader catches them, not exactness (prefill-region hits).
 CASES = {
-    "eagle-overrun": ("cpu-tiny", "multiturn", {"logprob", "exactness"}),
-    "stale-checkpoint": ("cpu-tiny", "multiturn", {"logprob", "exactness"}),
-    "chunk-end-as-boundary": ("cpu-tiny-fragmented", "cold-race", {"race-divergence"}),
+    "eagle-overrun": ("cpu-tiny", "multiturn", "logprob"),
+    "stale-checkpoint": ("cpu-tiny", "multiturn", "logprob"),
+    "chunk-end-as-boundary": ("cpu-tiny-fragmented", "cold-race", "race-divergence"),
 }
+SEEDS = (21, 22)
 TREATMENT_PORT = BASE_PORT + 5  # the session's servers use BASE_PORT..BASE_PORT+2
 
 
-def _blackbox(treatment: str, shared: Fleet, probe: str, out: Path, seed: int) -> tuple[int, dict, str]:
+def _blackbox(
+    treatment: str, shared: Fleet, probe: str, out: Path, seed: int, reference: str | None = None
+) -> tuple[int, dict, str]:
     code, output, _, verdict = blackbox_cli(
         out,
         "--treatment",
@@ -30,7 +34,7 @@ def _blackbox(treatment: str, shared: Fleet, probe: str, out: Path, seed: int) -
         "--control",
         shared.urls["control"],
         "--reference",
-        shared.urls["reference"],
+        reference or shared.urls["reference"],
         "--probe",
         probe,
         "--conversations",
@@ -41,23 +45,26 @@ def _blackbox(treatment: str, shared: Fleet, probe: str, out: Path, seed: int) -
     return code, verdict, output
 
 
-def _treatment(profile: str, fault: str | None, log_dir: Path) -> Fleet:
-    specs = build_specs(profile, ("treatment",), base_port=TREATMENT_PORT, cache_dir=CACHE, fault=fault)
+def _treatment(profile: str, fault: str | None, log_dir: Path, roles: tuple[str, ...] = ("treatment",)) -> Fleet:
+    specs = build_specs(profile, roles, base_port=TREATMENT_PORT, cache_dir=CACHE, fault=fault)
     return Fleet(specs, log_dir)
 
 
 @pytest.mark.parametrize("fault", sorted(CASES))
-def test_fault_fires_and_is_caught(fault: str, cpu_fleet: Fleet, tmp_path: Path) -> None:
-    profile, probe, catchers = CASES[fault]
+def test_fault_fires_and_is_caught_by_its_grader(fault: str, cpu_fleet: Fleet, tmp_path: Path) -> None:
+    profile, probe, catcher = CASES[fault]
     with _treatment(profile, fault, tmp_path / "servers") as fleet:
         fleet.start()
-        code, verdict, output = _blackbox(fleet.urls["treatment"], cpu_fleet, probe, tmp_path / "runs", seed=21)
-        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get(fault, 0)
-    assert fired > 0, f"{fault} never fired, so this run says nothing about blackbox\n{output}"
-    failing = {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}
-    assert code == 1, output
-    assert verdict["status"] == "FAIL" and verdict["error_class"] == "CorruptionDetected", output
-    assert failing & catchers, (failing, output)
+        for seed in SEEDS:
+            code, verdict, output = _blackbox(
+                fleet.urls["treatment"], cpu_fleet, probe, tmp_path / f"runs-{seed}", seed
+            )
+            fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get(fault, 0)
+            assert fired > 0, f"{fault} never fired, so this run says nothing about blackbox\n{output}"
+            failing = {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}
+            assert code == 1, output
+            assert verdict["status"] == "FAIL" and verdict["error_class"] == "CorruptionDetected", output
+            assert catcher in failing, (seed, failing, output)
 
 
 def test_cold_race_passes_on_a_clean_fragmented_treatment(cpu_fleet: Fleet, tmp_path: Path) -> None:
@@ -67,3 +74,20 @@ def test_cold_race_passes_on_a_clean_fragmented_treatment(cpu_fleet: Fleet, tmp_
     checks = {f["check"]: f for f in verdict["findings"]}
     assert checks["race-trigger"]["status"] == "PASS", output  # prefills really were fragmented
     assert code == 0 and verdict["status"] == "PASS", output
+    assert "would have been detected with probability 0.95" in checks["race-divergence"]["reason"]
+
+
+def test_multiturn_on_a_clean_fragmented_pair_is_no_false_alarm(cpu_fleet: Fleet, tmp_path: Path) -> None:
+    # A prefill chunked mid-block is not bit-exact against recomputation on this engine: the review saw
+    # "FAIL exactness: 25 of 25 prefill-region hits differ" here when exactness was assumed. The reference shares
+    # the treatment's step budget (it is the treatment's flags without speculative decoding), so the noise is
+    # measured, and a correct engine must PASS.
+    with _treatment("cpu-tiny-fragmented", None, tmp_path / "servers", ("treatment", "reference")) as fleet:
+        fleet.start()
+        code, verdict, output = _blackbox(
+            fleet.urls["treatment"], cpu_fleet, "multiturn", tmp_path / "runs", 23, reference=fleet.urls["reference"]
+        )
+    checks = {f["check"]: f for f in verdict["findings"]}
+    assert verdict["error_class"] != "CorruptionDetected", output
+    assert code == 0 and verdict["status"] == "PASS", output
+    assert checks["exactness"]["figures"]["counted"] == "hard", output  # the reference was measured inexact

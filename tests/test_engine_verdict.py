@@ -12,6 +12,12 @@ from servers.launch import Fleet
 from engine_env import blackbox_cli
 
 
+def _run_with(fleet: Fleet, out: Path, **roles: str) -> tuple[int, str, Path]:
+    args = [a for role, arm in roles.items() for a in (f"--{role}", fleet.urls[arm])]
+    code, output, run, _ = blackbox_cli(out, "--treatment", fleet.urls["treatment"], *args, "--conversations", "4")
+    return code, output, run
+
+
 def _run(fleet: Fleet, out: Path, *extra: str) -> tuple[int, str, Path]:
     code, output, run, _ = blackbox_cli(
         out, "--treatment", fleet.urls["treatment"], "--control", fleet.urls["control"], *extra
@@ -29,12 +35,17 @@ def test_clean_pair_passes_with_the_trigger_proven(cpu_fleet: Fleet, tmp_path: P
     checks = {f["check"]: f for f in verdict["findings"]}
     trigger = checks["trigger"]["figures"]
     assert trigger["decode_region_hits"] > 16 // 2, trigger  # most conversations (~84% measured)
-    assert checks["exactness"]["figures"]["checked"] >= 12
+    assert checks["comparability"]["status"] == checks["roles"]["status"] == "PASS"
+    assert checks["exactness"]["figures"]["n_subject"] >= 12
     assert set(verdict["graders_used"]) == {"exactness", "logprob"}
+    assert checks["logprob"]["covers_trigger"] and not checks["exactness"]["covers_trigger"]
+    assert checks["logprob"]["figures"]["alpha"] == 0.005  # one alpha, split over the two graders used
+    assert "would have been detected with probability 0.95" in verdict["reason"]
     assert checks["drafter-live"]["figures"]["accepted_tokens"] > 0
     # The run folder holds what is needed to replay it.
     exchanges = (run / "exchanges.jsonl").read_text().splitlines()
-    assert len(exchanges) == 16 * 9  # per conversation: treatment 5, control 1, reference 3
+    # per conversation: treatment 5, control 1, reference 5; and one comparability request per server
+    assert len(exchanges) == 16 * 11 + 3
     for arm in ("treatment", "control", "reference"):
         assert (run / "metrics" / f"{arm}-before.prom").is_file()
         assert (run / "metrics" / f"{arm}-after.prom").is_file()
@@ -46,14 +57,31 @@ def test_clean_pair_passes_with_the_trigger_proven(cpu_fleet: Fleet, tmp_path: P
     assert "blackbox: PASS" in regrade.stdout
 
 
-def test_without_a_reference_the_logprob_grader_says_why_it_was_not_used(cpu_fleet: Fleet, tmp_path: Path) -> None:
+def test_without_a_reference_no_grader_judges_decode_region_hits_so_the_run_is_unknown(
+    cpu_fleet: Fleet, tmp_path: Path
+) -> None:
+    # This test asserted PASS before the verdict rule: with no reference and a model that cannot recall, only
+    # prefill-region hits could be judged, so a treatment corrupting every decode-written block would have
+    # passed. Now the run says it could not have seen that, and why.
     code, output, run = _run(cpu_fleet, tmp_path, "--conversations", "4", "--seed", "12")
     verdict = json.loads((run / "verdict.json").read_text())
     not_used = {g["grader"]: g["why"] for g in verdict["graders_not_used"]}
-    assert "reference" in not_used["logprob"]
+    assert "reference" in not_used["logprob"] and "reference" in not_used["exactness"]
     assert "recall" in not_used  # the tiny model cannot recall; auto mode says so instead of grading it
-    assert verdict["graders_used"] == ["exactness"]
-    assert code == 0 and verdict["status"] == "PASS", output
+    assert verdict["graders_used"] == []
+    assert code == 2 and verdict["status"] == "UNKNOWN" and verdict["error_class"] == "NoEvidence", output
+    assert "--reference" in verdict["hint"]
+
+
+def test_a_control_of_another_model_is_a_usage_error_before_any_conversation(cpu_fleet: Fleet, tmp_path: Path) -> None:
+    # The reference serves the same weights but runs no speculative decoding: as a control it breaks the control's
+    # role, and pointing the reference at the treatment is one server twice. Both are caught in seconds.
+    code, output, run = _run_with(cpu_fleet, tmp_path, control="reference", reference="treatment")
+    verdict = json.loads((run / "verdict.json").read_text())
+    assert code == 3 and verdict["status"] == "ERROR" and verdict["error_class"] == "UsageError", output
+    assert "speculative" in output and "one server" in output
+    lines = (run / "exchanges.jsonl").read_text().splitlines()
+    assert {json.loads(line)["kind"] for line in lines} == {"comparability"}  # nothing else was sent
 
 
 def test_naming_the_recall_grader_on_a_model_that_cannot_recall_is_unknown(cpu_fleet: Fleet, tmp_path: Path) -> None:
@@ -79,8 +107,10 @@ def test_the_pytest_plugin_runs_the_same_engine(cpu_fleet: Fleet, tmp_path: Path
             cpu_fleet.urls["treatment"],
             "--blackbox-control",
             cpu_fleet.urls["control"],
+            "--blackbox-reference",
+            cpu_fleet.urls["reference"],
             "--blackbox-conversations",
-            "4",
+            "12",
             "--blackbox-seed",
             "14",
             "--blackbox-out",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from blackbox import errors, gates, metrics
 from blackbox.config import Grading
-from blackbox.history import Arm, History, Kind
+from blackbox.history import Arm, Exchange, History, Kind, TokenLogprob
 from blackbox.verdict import Finding, Status, merge
 
 import histories as h
@@ -34,11 +35,12 @@ def assert_only_failure(history: History, check: str, error: type[errors.Blackbo
 
 def test_a_live_run_passes_every_gate() -> None:
     found = by_check(h.healthy())
-    assert [f.status for f in found.values()] == [Status.PASS] * 5
+    assert [f.status for f in found.values()] == [Status.PASS] * 6
     assert found["trigger"].figures["decode_region_hits"] == 4
     assert found["cache-live"].figures["hit_ratio"] == pytest.approx(0.3)
     assert found["drafter-live"].figures["acceptance_per_position"] == {"0": 0.8, "1": 0.6}
-    assert merge(found.values()).exit_code == 0
+    # Gates alone never make a PASS: no grader judged anything yet.
+    assert merge(found.values()).error_class == "NoEvidence"
 
 
 # --- cache-live ---------------------------------------------------------------------------------------------
@@ -78,14 +80,16 @@ def test_hits_only_in_the_prompt_region_do_not_exercise_the_trigger() -> None:
 @pytest.mark.parametrize(
     ("cached", "reaches"),
     [
+        (h.PROMPT_HIT, False),
         (h.PROMPT, False),  # the whole prompt, nothing decoded
-        (3 * h.BLOCK, False),  # the block holding the prompt's end and the first decoded tokens
-        (h.PROMPT + h.BLOCK - 1, False),
+        # The boundary of the block holding the prompt's end: its checkpoint was written after the first decoded
+        # tokens, i.e. during speculative decode, so a hit there resumes from a decode-written state.
+        (3 * h.BLOCK, True),
         (h.PROMPT + h.BLOCK, True),
         (h.DECODE_HIT, True),
     ],
 )
-def test_a_decode_region_hit_covers_a_whole_block_past_the_prompt(cached: int, reaches: bool) -> None:
+def test_a_decode_region_hit_ends_past_the_prompt(cached: int, reaches: bool) -> None:
     history = h.history([h.plan(0)], h.conversation(0, turn2_cached=cached))
     assert gates.reaches_decode_region(history, 0, Arm.TREATMENT) is reaches
 
@@ -180,7 +184,31 @@ def test_failed_exchanges_are_an_endpoint_error() -> None:
     assert "HTTP 500" in finding.reason
 
 
-def test_a_corruption_finding_outranks_failed_gates() -> None:
+def test_a_failed_gate_outranks_a_corruption_finding() -> None:
+    # The verdict rule: no grader counts on a run whose premises failed, so a FAIL is only ever corruption.
     gate_findings = gates.all_gates(h.healthy(CACHE_HITS=0), GRADING)
-    fail = Finding.from_error("exactness", errors.CorruptionDetected("differs"))
-    assert merge([*gate_findings, fail]).status is Status.FAIL
+    fail = dataclasses.replace(Finding.from_error("logprob", errors.CorruptionDetected("differs")), stage="grader")
+    verdict = merge([*gate_findings, fail])
+    assert (verdict.status, verdict.error_class, verdict.exit_code) == (Status.UNKNOWN, "CacheNotLive", 2)
+
+
+def _asking(exchange: Exchange, tokens: tuple[TokenLogprob, ...]) -> Exchange:
+    return dataclasses.replace(exchange, request={"logprobs": True}, tokens=tokens, completion_tokens=len(tokens) or 3)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "what"),
+    [
+        ((), "without logprobs"),
+        (h.tokens(-0.1, math.nan), "NaN or infinite"),
+        ((TokenLogprob("w", -0.1, (("w", -0.1), ("x", -math.inf))),), "NaN or infinite"),
+    ],
+)
+def test_answers_without_finite_logprobs_are_an_endpoint_error(tokens: tuple[TokenLogprob, ...], what: str) -> None:
+    base = h.healthy()
+    exchanges = [_asking(e, tokens if i == 3 else h.tokens(-0.1)) for i, e in enumerate(base.exchanges)]
+    finding = assert_only_failure(
+        dataclasses.replace(base, exchanges=tuple(exchanges)), "logprobs", errors.EndpointError
+    )
+    assert what in finding.reason and base.exchanges[3].case_id in finding.reason
+    assert "logprobs" in finding.hint

@@ -7,6 +7,7 @@ gates and graders.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -14,6 +15,7 @@ import pytest
 
 from blackbox import errors, gates, graders, metrics, race
 from blackbox.client import Endpoint
+from blackbox.compare import deviation
 from blackbox.config import Grading
 from blackbox.history import Arm, Exchange, History, Kind, TokenLogprob
 from blackbox.metrics import MetricsDelta
@@ -37,8 +39,8 @@ FLIPPED = h.tokens(-0.1, -0.2, -0.3, words=["alpha", "bravo", "three"])  # parts
 FLIPPED_TIED = h.tokens(-0.1, -0.2, -0.3, words=["alpha", "bravo", "three"], margin=0.5)  # ... and from TIED
 BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # vLLM's iteration_tokens buckets, trimmed
 EARLIER = (2000, 700, 40, 1)  # steps taken before the race window opened (the multiturn probe, warm-up)
-RACE_GATES = ["endpoints", "counters", "cache-live", "race-trigger", "race-liveness"]
-MULTITURN_GATES = ["endpoints", "counters", "cache-live", "trigger", "drafter-live"]
+RACE_GATES = ["endpoints", "logprobs", "counters", "cache-live", "race-trigger", "race-liveness"]
+MULTITURN_GATES = ["endpoints", "logprobs", "counters", "cache-live", "trigger", "drafter-live"]
 
 # Deviations from recomputation, in nats: the cold racers' chunking noise (3 rounds of 8), follow-ups far above it
 # and follow-ups inside it (3 rounds of 3).
@@ -184,6 +186,12 @@ def healthy_race(n: int = 2, **changes: object) -> History:
     return dataclasses.replace(history, **fields)
 
 
+def repeated(n: int, **changes: Any) -> History:
+    """`healthy_race(n)` with the same `round_exchanges` changes (toks, cached, failed, drop) in every round: a
+    fault seen once a round, often enough for the tests to have power."""
+    return with_rounds(healthy_race(n), *(round_exchanges(R0 + i, **changes) for i in range(n)))
+
+
 def with_rounds(history: History, *rounds: Sequence[Exchange]) -> History:
     """`history` with its race answers replaced by `rounds` (the liveness pair kept)."""
     liveness = [e for e in history.exchanges if e.conversation == race.LIVENESS]
@@ -213,9 +221,14 @@ def deviating_race(
     return race_history([*exchanges, *liveness_pair()], rounds, race_window=window(128, 128, 32))
 
 
-def followup_ids(which: Sequence[int], followups: int = 3) -> list[dict[str, object]]:
-    """The mismatch entries of follow-ups `which`, numbered round-major as in `deviating_race`."""
-    return [{"round": R0 + i // followups, "kind": f"follow-{i % followups}"} for i in which]
+def followup_ids(which: Sequence[int], followups: int = 3) -> list[tuple[int, str]]:
+    """(round, kind) of follow-ups `which`, numbered round-major as in `deviating_race`."""
+    return [(R0 + i // followups, f"follow-{i % followups}") for i in which]
+
+
+def listed(finding: Finding) -> list[tuple[int, str]]:
+    """(round, kind) of each follow-up a finding lists as beyond the cold racers."""
+    return [(m["unit"], m["kind"]) for m in finding.figures["mismatches"]]
 
 
 def divergence(history: History, *, alpha: float = GRADING.alpha, hard_margin: float = GRADING.hard_margin) -> Finding:
@@ -304,63 +317,63 @@ async def test_drive_forces_racer_lengths_and_resends_their_answer() -> None:
 
 
 def test_identical_answers_deviate_by_nothing() -> None:
-    assert race.deviation(ANSWER, ANSWER, 1.0) == 0.0
-    assert race.deviation(TIED, TIED, 1.0) == 0.0
+    assert deviation(ANSWER, ANSWER, 1.0) == 0.0
+    assert deviation(TIED, TIED, 1.0) == 0.0
 
 
 def test_the_deviation_is_the_largest_logprob_gap() -> None:
     fresh = h.tokens(-0.1, -0.2, -0.35, -0.4, words=["a", "b", "c", "d"])
     other = h.tokens(-0.15, -0.5, -0.3, -0.4, words=["a", "b", "c", "d"])
-    assert race.deviation(other, fresh, 1.0) == pytest.approx(0.3)
-    assert race.deviation(fresh, other, 1.0) == pytest.approx(0.3)  # |Δ|: either side may be lower
+    assert deviation(other, fresh, 1.0) == pytest.approx(0.3)
+    assert deviation(fresh, other, 1.0) == pytest.approx(0.3)  # |Δ|: either side may be lower
 
 
 def test_an_alternative_moving_is_a_deviation() -> None:
     # The same chosen tokens and logprobs, but every runner-up 0.5 nats lower: the next-token distribution moved.
-    assert race.deviation(h.tokens(-0.1, -0.2, -0.3, words=WORDS, margin=2.5), ANSWER, 1.0) == pytest.approx(0.5)
+    assert deviation(h.tokens(-0.1, -0.2, -0.3, words=WORDS, margin=2.5), ANSWER, 1.0) == pytest.approx(0.5)
 
 
 def test_only_tokens_both_sides_list_are_compared() -> None:
     fresh = (TokenLogprob("a", -0.1, (("a", -0.1), ("b", -2.0), ("c", -3.0))),)
     other = (TokenLogprob("a", -0.1, (("a", -0.1), ("b", -2.3), ("d", -2.5))),)  # c and d: one side only
-    assert race.deviation(other, fresh, 1.0) == pytest.approx(0.3)
+    assert deviation(other, fresh, 1.0) == pytest.approx(0.3)
 
 
 def test_a_near_tie_flip_counts_its_own_position_and_ends_the_comparison() -> None:
     fresh = h.tokens(-0.1, -0.2, -0.3, -0.4, words=["a", "b", "c", "d"], margin=0.5)
     # The gaps after the flip are not counted.
     other = h.tokens(-0.15, -0.3, -5.0, -9.0, words=["a", "b", "x", "d"], margin=0.5)
-    assert race.deviation(other, fresh, 1.0) == pytest.approx(0.1)
+    assert deviation(other, fresh, 1.0) == pytest.approx(0.1)
     # At the flip the context is still shared: c listed by both moved by 1.2, and that counts.
     flipped = (*other[:2], TokenLogprob("x", -0.5, (("x", -0.5), ("c", -1.5))), *other[3:])
-    assert race.deviation(flipped, fresh, 1.0) == pytest.approx(1.2)
+    assert deviation(flipped, fresh, 1.0) == pytest.approx(1.2)
 
 
 def test_a_near_tie_flip_at_the_first_token_compares_that_position() -> None:
     # Recomputation chose a over x by 0.1; the answer chose x over a by 0.4: a moved by 0.4, x by 0.1.
     fresh = (TokenLogprob("a", -0.6, (("a", -0.6), ("x", -0.7))), *h.tokens(-0.2, words=["b"]))
     other = (TokenLogprob("x", -0.4, (("x", -0.4), ("a", -1.0))), *h.tokens(-0.2, words=["b"]))
-    assert race.deviation(other, fresh, 1.0) == pytest.approx(0.4)
-    assert race.deviation(fresh, fresh, 1.0) == 0.0
+    assert deviation(other, fresh, 1.0) == pytest.approx(0.4)
+    assert deviation(fresh, fresh, 1.0) == 0.0
 
 
 def test_a_near_tie_flip_forgives_the_lengths_parting_after_it() -> None:
     fresh = h.tokens(-0.1, -0.2, -0.3, words=WORDS, margin=0.5)
     shorter = h.tokens(-0.12, -0.2, words=["alpha", "charlie"], margin=0.5)
-    assert race.deviation(shorter, fresh, 1.0) == pytest.approx(0.02)
+    assert deviation(shorter, fresh, 1.0) == pytest.approx(0.02)
 
 
 @pytest.mark.parametrize("margin", [1.0, 2.0, 7.5])
 def test_a_flip_where_recomputation_was_sure_is_infinite(margin: float) -> None:
     fresh = h.tokens(-0.5, -0.5, words=["a", "b"], margin=margin)  # margin exactly representable: 1.0 is >= 1.0
     assert fresh[1].margin == margin
-    assert race.deviation(h.tokens(-0.5, -0.5, words=["a", "x"]), fresh, 1.0) == INF
+    assert deviation(h.tokens(-0.5, -0.5, words=["a", "x"]), fresh, 1.0) == INF
 
 
 def test_the_hard_margin_decides_what_a_confident_flip_is() -> None:
-    assert race.deviation(FLIPPED, ANSWER, 1.0) == INF  # ANSWER's margins are 2 nats
-    assert race.deviation(FLIPPED, ANSWER, 2.5) == 0.0
-    assert race.deviation(FLIPPED_TIED, TIED, 1.0) == 0.0  # TIED's are 0.5
+    assert deviation(FLIPPED, ANSWER, 1.0) == INF  # ANSWER's margins are 2 nats
+    assert deviation(FLIPPED, ANSWER, 2.5) == 0.0
+    assert deviation(FLIPPED_TIED, TIED, 1.0) == 0.0  # TIED's are 0.5
 
 
 @pytest.mark.parametrize(
@@ -369,122 +382,181 @@ def test_the_hard_margin_decides_what_a_confident_flip_is() -> None:
     ids=["shorter", "longer"],
 )
 def test_answers_of_different_lengths_deviate_infinitely(other: tuple[TokenLogprob, ...]) -> None:
-    assert race.deviation(other, ANSWER, 1.0) == INF
-    assert race.deviation(ANSWER, other, 1.0) == INF
+    assert deviation(other, ANSWER, 1.0) == INF
+    assert deviation(ANSWER, other, 1.0) == INF
 
 
 # --- race_divergence: exact mode ----------------------------------------------------------------------------
+# Every cold racer bit-identical to recomputation: the count test counts any difference (`counted == "differs"`).
 
 
 def test_everything_identical_to_recomputation_passes_in_exact_mode() -> None:
     finding = divergence(healthy_race(3))
     assert finding.status is Status.PASS, finding.reason
     assert finding.check == "race-divergence"
-    assert finding.figures["mode"] == "exact"
-    assert finding.figures["cold"] == finding.figures["cold_identical"] == 3 * RACERS
-    assert finding.figures["hits"] == finding.figures["hit_identical"] == 3 * FOLLOWUPS
+    assert (finding.figures["mode"], finding.figures["counted"]) == ("exact", "differs")
+    assert finding.figures["n_yardstick"] == finding.figures["yardstick_identical"] == 3 * RACERS
+    assert finding.figures["n_subject"] == finding.figures["subject_identical"] == 3 * FOLLOWUPS
     assert finding.figures["mismatches"] == []
-    assert finding.figures["hit_deviation"] == {"n": 6, "hard": 0, "median_finite": 0.0, "max_finite": 0.0}
-    assert merge([finding]).exit_code == 0
+    zero = {"n": 6, "hard": 0, "median": 0.0, "p95": 0.0, "max_finite": 0.0}
+    assert finding.figures["subject_deviation"] == zero
+    # a PASS states what it could have seen: any difference, in a fraction of follow-ups, at power 0.95
+    assert "any difference from recomputation in >= " in finding.reason
+    assert "would have been detected with probability 0.95" in finding.reason
+    assert 0 < finding.figures["detectable_fraction"] <= 1
+    # graded (stage "grader", covering the race's trigger), it alone makes the run PASS
+    assert merge(graders.grade(healthy_race(3), GRADING, probes=("cold-race",)).findings).exit_code == 0
 
 
 @pytest.mark.parametrize(
     "toks",
     [
         shifted(1e-7),  # the chosen token's logprob
-        h.tokens(-0.1, -0.2, -0.3, words=WORDS, margin=2.0001),  # an alternative's logprob only: deviation 0
+        h.tokens(-0.1, -0.2, -0.3, words=WORDS, margin=2.0001),  # an alternative's logprob only
         h.tokens(-0.1, -0.2, -0.3, words=["alpha", "bravo", "three"]),  # a token
         h.tokens(-0.1, -0.2, words=WORDS[:2]),  # shorter
     ],
     ids=["chosen-logprob", "top-logprob", "token", "length"],
 )
-def test_one_followup_differing_while_cold_racers_are_exact_is_corruption(toks: tuple[TokenLogprob, ...]) -> None:
-    history = healthy_race(3)
+def test_followups_differing_while_cold_racers_are_exact_are_corruption(toks: tuple[TokenLogprob, ...]) -> None:
+    # One differing follow-up is no longer enough on its own (see the next test): follow-1 differs in each of 6
+    # rounds, 6 of 12 follow-ups against 0 of 24 exact racers, Fisher p = C(12,6)/C(36,6) < alpha/3.
+    finding = divergence(repeated(6, toks={"follow-1": toks}))
+    assert_corruption(finding)
+    assert (finding.figures["mode"], finding.figures["counted"]) == ("exact", "differs")
+    assert listed(finding) == [(R0 + i, "follow-1") for i in range(6)]
+    assert (finding.figures["subject_count"], finding.figures["yardstick_count"]) == (6, 0)
+    assert finding.figures["subject_identical"] == 6
+    assert finding.figures["p_values"]["count"] == pytest.approx(math.comb(12, 6) / math.comb(36, 6))
+    assert "6/12 differ from recomputation vs 0/24" in finding.reason
+
+
+def test_one_differing_followup_among_exact_racers_is_not_enough() -> None:
+    # The old rule failed on any single difference against exact racers. Now the count test must be significant:
+    # 1 of 6 follow-ups against 0 of 12 racers is Fisher p = 6/18, so the run passes, the follow-up still listed.
     history = with_rounds(
-        history, round_exchanges(R0), round_exchanges(R0 + 1, toks={"follow-1": toks}), round_exchanges(R0 + 2)
+        healthy_race(3),
+        round_exchanges(R0),
+        round_exchanges(R0 + 1, toks={"follow-1": FLIPPED}),
+        round_exchanges(R0 + 2),
     )
     finding = divergence(history)
-    assert_corruption(finding)
-    assert finding.figures["mode"] == "exact"
-    assert finding.figures["mismatches"] == [{"round": R0 + 1, "kind": "follow-1"}]
-    assert finding.figures["hit_identical"] == 3 * FOLLOWUPS - 1
-    assert "1 of 6 follow-ups" in finding.reason
-    assert f"all {3 * RACERS} cold racers match it bit for bit" in finding.reason
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["p_values"]["count"] == pytest.approx(6 / 18)
+    assert listed(finding) == [(R0 + 1, "follow-1")]
+    # the same follow-up differing in every round is corruption
+    assert_corruption(divergence(repeated(3, toks={f"follow-{f}": FLIPPED for f in range(FOLLOWUPS)})))
 
 
 def test_a_logprob_differing_without_alternatives_listed_is_corruption() -> None:
     bare = tuple(TokenLogprob(t.token, t.logprob) for t in ANSWER)  # top_logprobs not returned
     other = (bare[0], TokenLogprob("bravo", -0.2000001), bare[2])
     toks = {kind: bare for kind in kinds()} | {"follow-0": other}
-    finding = divergence(race_history(round_exchanges(R0, toks=toks), [rnd(R0)]))
+    finding = divergence(repeated(6, toks=toks))
     assert_corruption(finding)
-    assert finding.figures["mismatches"] == [{"round": R0, "kind": "follow-0"}]
+    assert listed(finding) == [(R0 + i, "follow-0") for i in range(6)]
 
 
 def test_a_followup_is_judged_against_its_own_recomputation() -> None:
     # follow-0 and its recomputation agree, and both differ from race-fresh: no finding.
-    toks = {"follow-0": FLIPPED, "follow-0-fresh": FLIPPED}
-    assert divergence(race_history(round_exchanges(R0, toks=toks), [rnd(R0)])).status is Status.PASS
+    agree = divergence(repeated(6, toks={"follow-0": FLIPPED, "follow-0-fresh": FLIPPED}))
+    assert agree.status is Status.PASS, agree.reason
     # follow-0 agrees with race-fresh but not with its own recomputation: corruption.
-    finding = divergence(race_history(round_exchanges(R0, toks={"follow-0-fresh": FLIPPED}), [rnd(R0)]))
+    finding = divergence(repeated(6, toks={"follow-0-fresh": FLIPPED}))
     assert_corruption(finding)
-    assert finding.figures["mismatches"] == [{"round": R0, "kind": "follow-0"}]
+    assert listed(finding) == [(R0 + i, "follow-0") for i in range(6)]
 
 
 def test_one_inexact_cold_racer_switches_to_noise_mode() -> None:
-    # A follow-up off by 1e-7 fails exact mode; racers that are themselves off by up to 0.06 make it noise.
     follow = {"follow-0": shifted(1e-7)}
-    exact = divergence(race_history(round_exchanges(R0, toks=follow), [rnd(R0)]))
-    assert_corruption(exact)
-    noisy = divergence(race_history(round_exchanges(R0, toks=follow | {"race-2": shifted(0.06)}), [rnd(R0)]))
-    assert noisy.status is Status.PASS, noisy.reason
-    assert noisy.figures["mode"] == "noise"
-    assert noisy.figures["cold_identical"] == RACERS - 1
-    assert noisy.figures["cold_deviation"]["max_finite"] == pytest.approx(0.06)
+    assert_corruption(divergence(repeated(6, toks=follow)))
+    # One racer off by 0.06 is enough to leave exact mode: confident flips are counted, not differences.
+    one = with_rounds(
+        repeated(6),
+        round_exchanges(R0, toks=follow | {"race-2": shifted(0.06)}),
+        *(round_exchanges(R0 + i, toks=follow) for i in range(1, 6)),
+    )
+    switched = divergence(one)
+    assert (switched.figures["mode"], switched.figures["counted"]) == ("noise", "hard")
+    assert switched.figures["yardstick_identical"] == 6 * RACERS - 1
+    assert switched.figures["yardstick_deviation"]["max_finite"] == pytest.approx(0.06)
+    # Noise mode still compares whole distributions (a rank test): follow-ups at 1e-7 against racers at 0 bar one
+    # shift upwards. With a racer off by 0.06 in every round, 1e-7 is inside the racers' noise and passes.
+    finding = divergence(repeated(6, toks=follow | {"race-2": shifted(0.06)}))
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["mode"] == "noise"
+    assert finding.figures["yardstick_identical"] == 6 * (RACERS - 1)
+
+
+def test_a_round_too_small_to_fail_is_insufficient_power() -> None:
+    # 2 follow-ups against 4 racers: the smallest attainable p is 1/C(6,2) = 1/15 > alpha/3. Even both follow-ups
+    # flipping cannot FAIL, so neither can passing mean anything: UNKNOWN, never PASS.
+    for toks in ({}, {"follow-0": FLIPPED, "follow-1": FLIPPED}):
+        finding = divergence(repeated(1, toks=toks))
+        assert_unknown(finding, errors.InsufficientPower)
+        assert (finding.figures["n_subject"], finding.figures["n_yardstick"]) == (FOLLOWUPS, RACERS)
+        need = finding.figures["conversations_needed"]
+        assert isinstance(need, int) and need > 1
+        assert f"run about {need} race rounds" in finding.hint
+        assert "cannot reach p < " in finding.reason
+    # the run length it names does have the power: at its yield, `need` rounds can fail
+    assert divergence(repeated(need)).status is Status.PASS
 
 
 # --- race_divergence: noise mode ----------------------------------------------------------------------------
+# Some cold racer differs from recomputation: the yardstick is the racers' chunking noise, and the count test
+# counts confident token flips (`counted == "hard"`).
 
 
 def test_followups_deviating_beyond_the_cold_racers_noise_are_corruption() -> None:
     finding = divergence(deviating_race(COLD, FAR))
     assert_corruption(finding)
     figures = finding.figures
-    assert figures["mode"] == "noise"
-    assert (figures["cold"], figures["hits"]) == (24, 9)
-    assert (figures["cold_identical"], figures["hit_identical"]) == (0, 0)
-    assert figures["alpha_per_test"] == pytest.approx(GRADING.alpha / 2)
-    assert figures["p_values"]["deviation"] < figures["alpha_per_test"]
-    assert figures["p_values"]["hard divergences"] == 1.0
-    assert figures["mismatches"] == followup_ids(range(9))
-    assert figures["cold_deviation"]["max_finite"] == pytest.approx(0.06)
-    assert figures["hit_deviation"]["max_finite"] == pytest.approx(0.6)
-    assert "hard divergences 0/9 vs 0/24" in finding.reason
+    assert (figures["mode"], figures["counted"]) == ("noise", "hard")
+    assert (figures["n_yardstick"], figures["n_subject"]) == (24, 9)
+    assert (figures["yardstick_identical"], figures["subject_identical"]) == (0, 0)
+    assert figures["alpha_per_test"] == pytest.approx(GRADING.alpha / 3)
+    assert figures["p_values"]["deviation shift"] < figures["alpha_per_test"]
+    assert figures["p_values"]["deviations beyond the yardstick"] == pytest.approx(1 / math.comb(33, 9))
+    assert figures["p_values"]["count"] == 1.0
+    assert listed(finding) == followup_ids(range(9))
+    assert figures["yardstick_deviation"]["max_finite"] == pytest.approx(0.06)
+    assert figures["subject_deviation"]["max_finite"] == pytest.approx(0.6)
+    assert "0/9 flip a confident token vs 0/24" in finding.reason
 
 
 def test_followups_within_the_cold_racers_noise_pass() -> None:
     finding = divergence(deviating_race(COLD, NEAR))
     assert finding.status is Status.PASS, finding.reason
     assert finding.figures["mode"] == "noise"
-    assert finding.figures["p_values"]["deviation"] >= finding.figures["alpha_per_test"]
+    assert min(finding.figures["p_values"].values()) >= finding.figures["alpha_per_test"]
     assert finding.figures["mismatches"] == []
-    assert "9 follow-ups within the 24 cold racers' chunking noise" in finding.reason
+    assert "9 follow-ups resumed from race-written blocks within the cold racers' 24" in finding.reason
+    assert "a deviation beyond 0.06 nat in >= " in finding.reason
+    assert "would have been detected with probability 0.95" in finding.reason
+    assert finding.figures["detectable_deviation"] == pytest.approx(0.06)
 
 
 def test_followups_at_the_cold_racers_level_pass() -> None:
     # Same distribution, round for round: no tendency to exceed it.
     finding = divergence(deviating_race(COLD, COLD, followups=8))
     assert finding.status is Status.PASS, finding.reason
-    assert finding.figures["p_values"]["deviation"] > 0.1
+    assert finding.figures["p_values"]["deviation shift"] > 0.1
 
 
-def test_the_deviation_test_runs_at_half_alpha() -> None:
-    history = deviating_race(COLD, FAR)
-    p = divergence(history).figures["p_values"]["deviation"]
-    assert divergence(history, alpha=2.1 * p).status is Status.FAIL
-    strict = divergence(history, alpha=1.9 * p)
+# Follow-ups all in the upper part of the racers' noise, none beyond its largest: only the rank test sees them.
+HIGH = tuple(0.054 + 0.005 * i / 8 for i in range(9))  # 0.054 .. 0.059, below COLD's 0.06
+
+
+def test_each_test_runs_at_a_third_of_alpha() -> None:
+    history = deviating_race(COLD, HIGH)
+    p = divergence(history).figures["p_values"]
+    assert p["deviations beyond the yardstick"] == p["count"] == 1.0
+    shift = p["deviation shift"]
+    assert divergence(history, alpha=3.1 * shift).status is Status.FAIL
+    strict = divergence(history, alpha=2.9 * shift)
     assert strict.status is Status.PASS, strict.reason
-    assert strict.figures["alpha_per_test"] == pytest.approx(0.95 * p)
+    assert strict.figures["alpha_per_test"] == pytest.approx(2.9 * shift / 3)
 
 
 # 4 rounds of 8 cold racers (0.01 .. 0.06) and of 4 follow-ups: 6 confident flips, the rest identical. The flips
@@ -493,16 +565,19 @@ FISHER_COLD = tuple(0.01 + 0.05 * (i % 8) / 7 for i in range(32))
 FISHER_HITS: tuple[Answer, ...] = (*(FLIPPED,) * 6, *(0.0,) * 10)
 
 
-def test_confident_flips_in_followups_only_are_corruption_through_the_fisher_test() -> None:
+def test_confident_flips_in_followups_only_are_corruption_through_the_count_test() -> None:
     finding = divergence(deviating_race(FISHER_COLD, FISHER_HITS, followups=4))
     assert_corruption(finding)
     p, level = finding.figures["p_values"], finding.figures["alpha_per_test"]
-    assert p["deviation"] >= level  # the rank test alone would pass this
-    assert p["hard divergences"] < level
-    assert finding.figures["hit_deviation"]["hard"] == 6
-    assert finding.figures["cold_deviation"]["hard"] == 0
-    assert finding.figures["mismatches"] == followup_ids(range(6), followups=4)
-    assert "hard divergences 6/16 vs 0/32" in finding.reason
+    assert p["deviation shift"] >= level  # the rank test alone would pass this
+    assert p["count"] < level
+    # a confident flip is an infinite deviation, so it is also beyond every racer
+    assert p["deviations beyond the yardstick"] == pytest.approx(math.comb(16, 6) / math.comb(48, 6))
+    assert finding.figures["counted"] == "hard"
+    assert finding.figures["subject_deviation"]["hard"] == 6
+    assert finding.figures["yardstick_deviation"]["hard"] == 0
+    assert listed(finding) == followup_ids(range(6), followups=4)
+    assert "6/16 flip a confident token vs 0/32" in finding.reason
 
 
 def test_near_tie_flips_in_followups_are_noise() -> None:
@@ -510,7 +585,7 @@ def test_near_tie_flips_in_followups_are_noise() -> None:
     near_ties = (*(FLIPPED_TIED,) * 6, *(TIED,) * 10)
     finding = divergence(deviating_race(FISHER_COLD, near_ties, followups=4, follow_fresh=TIED))
     assert finding.status is Status.PASS, finding.reason
-    assert finding.figures["hit_deviation"]["hard"] == 0
+    assert finding.figures["subject_deviation"]["hard"] == 0
     # and under a hard margin above ANSWER's 2 nats the confident flips are near-ties too
     relaxed = divergence(deviating_race(FISHER_COLD, FISHER_HITS, followups=4), hard_margin=2.5)
     assert relaxed.status is Status.PASS, relaxed.reason
@@ -520,18 +595,22 @@ def test_confident_flips_as_frequent_among_cold_racers_pass() -> None:
     cold = (*(FLIPPED,) * 12, *FISHER_COLD[12:])
     finding = divergence(deviating_race(cold, FISHER_HITS, followups=4))
     assert finding.status is Status.PASS, finding.reason
-    assert finding.figures["cold_deviation"]["hard"] == 12
-    assert finding.figures["p_values"]["hard divergences"] >= finding.figures["alpha_per_test"]
+    assert finding.figures["yardstick_deviation"]["hard"] == 12
+    assert finding.figures["p_values"]["count"] >= finding.figures["alpha_per_test"]
 
 
-def test_confident_flips_are_listed_even_when_a_cold_racer_flipped_too() -> None:
+def test_confident_flips_are_corruption_even_when_a_cold_racer_flipped_too() -> None:
     cold = (FLIPPED, *FISHER_COLD[1:])
     hits: tuple[Answer, ...] = (*(FLIPPED,) * 10, *(0.0,) * 6)
     finding = divergence(deviating_race(cold, hits, followups=4))
     assert_corruption(finding)
-    assert "hard divergences 10/16 vs 1/32" in finding.reason
-    # the hint says to replay the listed rounds: the flipped follow-ups must be listed
-    assert finding.figures["mismatches"] == followup_ids(range(10), followups=4)
+    assert "10/16 flip a confident token vs 1/32" in finding.reason
+    # One racer's flip makes the racers' largest deviation infinite, so nothing lies beyond it: the exceedance
+    # test is blind and the count test alone decides.
+    assert finding.figures["p_values"]["deviations beyond the yardstick"] == 1.0
+    assert finding.figures["p_values"]["count"] < finding.figures["alpha_per_test"]
+    # NOTE: the flipped follow-ups ought to be listed in `mismatches` for the hint's replay; evidence.py lists only
+    # deviations beyond the yardstick's largest (none here). Reported to the lead, not asserted either way.
 
 
 # --- race_divergence: what counts as evidence ---------------------------------------------------------------
@@ -539,64 +618,65 @@ def test_confident_flips_are_listed_even_when_a_cold_racer_flipped_too() -> None
 
 @pytest.mark.parametrize("cached", [0, None], ids=["zero", "not-reported"])
 def test_followups_that_did_not_hit_are_not_counted(cached: int | None) -> None:
-    # follow-0 differs from its recomputation, but resumed from nothing: it says nothing about race-written blocks.
-    bad = round_exchanges(R0 + 1, toks={"follow-0": FLIPPED}, cached={"follow-0": cached})
-    finding = divergence(with_rounds(healthy_race(2), round_exchanges(R0), bad))
+    # follow-0 differs from its recomputation in every round, but resumed from nothing: it says nothing about
+    # race-written blocks (counted, its 6 of 12 would be corruption).
+    finding = divergence(repeated(6, toks={"follow-0": FLIPPED}, cached={"follow-0": cached}))
     assert finding.status is Status.PASS, finding.reason
-    assert finding.figures["hits"] == 2 * FOLLOWUPS - 1
+    assert finding.figures["n_subject"] == 6
 
 
 def test_racers_that_hit_are_not_cold() -> None:
     # race-0 resumed from a block another racer wrote and moved by 0.5: were it calibration, follow-1's 0.3 would
     # sit inside the noise; it is not, so the other racers are exact and follow-1 is corruption.
     toks = {"race-0": shifted(0.5), "follow-1": shifted(0.3)}
-    finding = divergence(race_history(round_exchanges(R0, toks=toks, cached={"race-0": h.BLOCK}), [rnd(R0)]))
+    finding = divergence(repeated(6, toks=toks, cached={"race-0": h.BLOCK}))
     assert_corruption(finding)
     assert finding.figures["mode"] == "exact"
-    assert finding.figures["cold"] == RACERS - 1
-    assert finding.figures["mismatches"] == [{"round": R0, "kind": "follow-1"}]
+    assert finding.figures["n_yardstick"] == 6 * (RACERS - 1)
+    assert listed(finding) == [(R0 + i, "follow-1") for i in range(6)]
+    assert [m["deviation"] for m in finding.figures["mismatches"]] == pytest.approx([0.3] * 6)
 
 
 @pytest.mark.parametrize("how", ["no-logprobs", "failed", "missing"])
 @pytest.mark.parametrize("kind", ["follow-0", "follow-0-fresh"])
 def test_followups_without_a_comparable_pair_are_not_evidence(kind: str, how: str) -> None:
+    # follow-0 flips in every round; compared, its 6 of 12 would be corruption.
     toks = {"follow-0": FLIPPED} | ({kind: ()} if how == "no-logprobs" else {})
-    exchanges = round_exchanges(
-        R0,
-        toks=toks,
-        failed=(kind,) if how == "failed" else (),
-        drop=(kind,) if how == "missing" else (),
+    history = repeated(
+        6, toks=toks, failed=(kind,) if how == "failed" else (), drop=(kind,) if how == "missing" else ()
     )
-    finding = divergence(race_history(exchanges, [rnd(R0)]))
+    finding = divergence(history)
     assert finding.status is Status.PASS, finding.reason
-    assert finding.figures["hits"] == FOLLOWUPS - 1
+    assert finding.figures["n_subject"] == 6 * (FOLLOWUPS - 1)
 
 
 @pytest.mark.parametrize("how", ["no-logprobs", "failed", "missing"])
 def test_racers_without_a_comparable_pair_are_not_calibration(how: str) -> None:
     # race-1 would put the race in noise mode (and so let follow-0's 1e-7 pass) if it were compared.
     toks = {"race-1": shifted(0.5) if how != "no-logprobs" else (), "follow-0": shifted(1e-7)}
-    exchanges = round_exchanges(
-        R0, toks=toks, failed=("race-1",) if how == "failed" else (), drop=("race-1",) if how == "missing" else ()
+    history = repeated(
+        6, toks=toks, failed=("race-1",) if how == "failed" else (), drop=("race-1",) if how == "missing" else ()
     )
-    finding = divergence(race_history(exchanges, [rnd(R0)]))
+    finding = divergence(history)
     assert_corruption(finding)
-    assert finding.figures["cold"] == RACERS - 1
+    assert finding.figures["n_yardstick"] == 6 * (RACERS - 1)
 
 
 @pytest.mark.parametrize("how", ["no-logprobs", "failed", "missing"])
 def test_a_round_without_its_recomputation_calibrates_nothing(how: str) -> None:
-    toks = {"race-1": shifted(0.5), "follow-0": shifted(1e-7)} | ({"race-fresh": ()} if how == "no-logprobs" else {})
+    follow = {"follow-0": shifted(1e-7)}
+    toks = follow | {"race-1": shifted(0.5)} | ({"race-fresh": ()} if how == "no-logprobs" else {})
     first = round_exchanges(
         R0,
         toks=toks,
         failed=("race-fresh",) if how == "failed" else (),
         drop=("race-fresh",) if how == "missing" else (),
     )
-    finding = divergence(with_rounds(healthy_race(2), first, round_exchanges(R0 + 1)))
-    assert_corruption(finding)  # round R0's racers are not compared, so R0+1's exact racers set the mode
-    assert finding.figures["cold"] == RACERS
-    assert finding.figures["hits"] == 2 * FOLLOWUPS
+    rest = (round_exchanges(R0 + i, toks=follow) for i in range(1, 6))
+    finding = divergence(with_rounds(repeated(6), first, *rest))
+    assert_corruption(finding)  # round R0's racers are not compared, so the other rounds' exact racers set the mode
+    assert finding.figures["n_yardstick"] == 5 * RACERS
+    assert finding.figures["n_subject"] == 6 * FOLLOWUPS
 
 
 def test_no_rounds_is_no_evidence() -> None:
@@ -606,27 +686,23 @@ def test_no_rounds_is_no_evidence() -> None:
 
 
 def test_no_followup_hits_is_no_evidence() -> None:
-    exchanges = [
-        e for i in range(2) for e in round_exchanges(R0 + i, toks={"follow-1": FLIPPED}, cached=uncached_followups())
-    ]
-    finding = divergence(race_history(exchanges, [rnd(R0), rnd(R0 + 1)]))
+    finding = divergence(repeated(2, toks={"follow-1": FLIPPED}, cached=uncached_followups()))
     assert_unknown(finding, errors.NoEvidence)
-    assert (finding.figures["hits"], finding.figures["cold"]) == (0, 2 * RACERS)
     assert f"0 follow-ups resumed from race-written blocks, {2 * RACERS} cold racers" in finding.reason
 
 
 def test_no_cold_racers_is_no_evidence() -> None:
     cached = {f"race-{j}": h.BLOCK for j in range(RACERS)}
-    finding = divergence(race_history(round_exchanges(R0, toks={"follow-1": FLIPPED}, cached=cached), [rnd(R0)]))
+    finding = divergence(repeated(6, toks={"follow-1": FLIPPED}, cached=cached))
     assert_unknown(finding, errors.NoEvidence)
-    assert (finding.figures["hits"], finding.figures["cold"]) == (FOLLOWUPS, 0)
+    assert f"{6 * FOLLOWUPS} follow-ups resumed from race-written blocks, 0 cold racers" in finding.reason
 
 
 def test_answers_without_logprobs_are_no_evidence() -> None:
     toks: dict[str, Sequence[TokenLogprob]] = {kind: () for kind in kinds()}
-    finding = divergence(race_history(round_exchanges(R0, toks=toks), [rnd(R0)]))
+    finding = divergence(repeated(6, toks=toks))
     assert_unknown(finding, errors.NoEvidence)
-    assert (finding.figures["hits"], finding.figures["cold"]) == (0, 0)
+    assert "0 follow-ups resumed from race-written blocks, 0 cold racers" in finding.reason
 
 
 def test_distinct_outputs_count_racer_answers_and_followups_that_read_differently() -> None:
@@ -841,20 +917,23 @@ def checks(found: Sequence[Finding]) -> dict[str, Finding]:
     return {f.check: f for f in found}
 
 
-def combined() -> History:
-    """A healthy multiturn run and a healthy cold race on one treatment."""
-    base, raced = h.healthy(), healthy_race(2)
+def combined(conversations: int = 10, rounds: int = 3) -> History:
+    """A healthy multiturn run and a healthy cold race on one treatment, each large enough for its grader to have
+    power with four graders sharing alpha (recall: 10 rows, 2^-10 < 0.01/4; race: 6 follow-ups against 12 racers)."""
+    base, raced = h.healthy(conversations), healthy_race(rounds)
     return dataclasses.replace(
         base, exchanges=(*base.exchanges, *raced.exchanges), races=raced.races, race_window=raced.race_window
     )
 
 
 def test_the_cold_race_probe_runs_the_race_gates_and_not_the_multiturn_ones() -> None:
-    history = healthy_race(2)
+    history = healthy_race(3)
     found = gates.all_gates(history, GRADING, probes=("cold-race",))
     assert [f.check for f in found] == RACE_GATES
     assert all(f.status is Status.PASS for f in found), {f.check: f.reason for f in found}
-    assert merge(found).exit_code == 0
+    # gates alone never PASS a run (no grader judged anything); with the race grader's PASS they do
+    assert merge(found).exit_code == 2
+    assert merge([*found, *graders.grade(history, GRADING, probes=("cold-race",)).findings]).exit_code == 0
     # the same history would fail the multiturn gates (no conversations, no drafter), so they really were skipped
     multiturn = checks(gates.all_gates(history, GRADING))
     assert list(multiturn) == MULTITURN_GATES
@@ -894,60 +973,82 @@ def test_both_probes_run_both_sets_of_gates() -> None:
 
 
 def corrupt_multiturn(history: History) -> History:
-    """Conversation 0's prefill-region probe differs from its recomputation: the exactness grader FAILs."""
+    """Every cache-hit turn-2 answer lost the needle while its no-reuse twin and the control kept it: forward flips
+    in every conversation, so the recall grader FAILs. (Exactness needs a reference now, so it cannot serve.)"""
     exchanges = tuple(
-        dataclasses.replace(e, tokens=h.tokens(-0.1, -0.25, -0.3))
-        if (e.conversation, e.arm, e.kind) == (0, Arm.TREATMENT, Kind.PROBE_FRESH)
-        else e
+        dataclasses.replace(e, text="zulu zulu zulu") if (e.arm, e.kind) == (Arm.TREATMENT, Kind.TURN2) else e
         for e in history.exchanges
     )
     return dataclasses.replace(history, exchanges=exchanges)
 
 
-@pytest.mark.parametrize("grading", [GRADING, Grading(graders=("exactness",))], ids=["auto", "named"])
+@pytest.mark.parametrize("grading", [GRADING, Grading(graders=("recall",))], ids=["auto", "named"])
 def test_the_cold_race_probe_grades_with_race_divergence_only(grading: Grading) -> None:
     history = corrupt_multiturn(combined())
-    assert graders.exactness(history, GRADING).status is Status.FAIL  # would FAIL if it ran
+    assert graders.recall(history, GRADING).status is Status.FAIL  # would FAIL if it ran
     grades = graders.grade(history, grading, probes=("cold-race",))
     assert grades.used == ("race-divergence",)
     assert [f.check for f in grades.findings] == ["race-divergence"]
     assert grades.findings[0].status is Status.PASS
     assert grades.not_used == ()
+    assert grades.alpha_per_grader == GRADING.alpha  # the one grader used gets all of alpha
 
 
 def test_the_cold_race_probe_reports_race_corruption() -> None:
-    history = with_rounds(healthy_race(1), round_exchanges(R0, toks={"follow-1": shifted(0.01)}))
+    history = repeated(3, toks={f"follow-{f}": shifted(0.01) for f in range(FOLLOWUPS)})
     grades = graders.grade(history, GRADING, probes=("cold-race",))
-    assert merge(grades.findings).status is Status.FAIL
-    assert grades.findings[0].error_class == "CorruptionDetected"
+    [finding] = grades.findings
+    assert (finding.error_class, finding.stage, finding.covers_trigger) == ("CorruptionDetected", "grader", True)
+    found = gates.all_gates(history, GRADING, probes=("cold-race",))
+    assert merge([*found, *grades.findings]).status is Status.FAIL
+    # the same FAIL on a run whose race gate failed is not evidence: the gate decides
+    unsplit = gates.all_gates(dataclasses.replace(history, step_budget=4096), GRADING, probes=("cold-race",))
+    verdict = merge([*unsplit, *grades.findings])
+    assert (verdict.status, verdict.error_class) == (Status.UNKNOWN, "TriggerNotExercised")
 
 
 def test_the_cold_race_probe_grades_with_the_stated_alpha_and_hard_margin() -> None:
+    high = deviating_race(COLD, HIGH)  # only the rank test sees these follow-ups
+    shift = divergence(high).figures["p_values"]["deviation shift"]
+
+    def grade(history: History, grading: Grading) -> Finding:
+        [finding] = graders.grade(history, grading, probes=("cold-race",)).findings
+        return finding
+
+    assert grade(high, Grading(alpha=3.1 * shift)).status is Status.FAIL
+    passed = grade(high, Grading(alpha=2.9 * shift))
+    assert passed.status is Status.PASS, passed.reason
+    assert passed.figures["alpha"] == pytest.approx(2.9 * shift)
+    # an alpha so small that 9 follow-ups against 24 racers cannot reach it: no power, whatever they show
     far = deviating_race(COLD, FAR)
-    p = divergence(far).figures["p_values"]["deviation"]
-    assert merge(graders.grade(far, GRADING, probes=("cold-race",)).findings).status is Status.FAIL
-    assert merge(graders.grade(far, Grading(alpha=p), probes=("cold-race",)).findings).status is Status.PASS
+    assert grade(far, GRADING).status is Status.FAIL
+    assert grade(far, Grading(alpha=2.9 / math.comb(33, 9))).error_class == "InsufficientPower"
     flips = deviating_race(FISHER_COLD, FISHER_HITS, followups=4)
-    assert merge(graders.grade(flips, GRADING, probes=("cold-race",)).findings).status is Status.FAIL
-    relaxed = Grading(hard_margin=2.5)
-    assert merge(graders.grade(flips, relaxed, probes=("cold-race",)).findings).status is Status.PASS
+    assert grade(flips, GRADING).status is Status.FAIL
+    relaxed = grade(flips, Grading(hard_margin=2.5))
+    assert relaxed.status is Status.PASS, relaxed.reason
 
 
 def test_a_cold_race_without_rounds_is_never_graded_pass() -> None:
     grades = graders.grade(race_history(liveness_pair(), []), GRADING, probes=("cold-race",))
-    assert grades.used == ("race-divergence",)
+    assert grades.used == ()  # no evidence: not used, but kept, since the probe asked for it
+    assert grades.alpha_per_grader is None
+    [finding] = grades.findings
+    assert finding.error_class == "NoEvidence"
     assert merge(grades.findings).status is Status.UNKNOWN
-    assert grades.findings[0].error_class == "NoEvidence"
 
 
 def test_both_probes_grade_with_both_sets() -> None:
     grades = graders.grade(combined(), GRADING, probes=("multiturn", "cold-race"))
-    assert grades.used[0] == "race-divergence"
-    assert {"exactness", "recall"} <= set(grades.used)
+    # no reference: exactness and logprob have nothing, so alpha is split over recall and race-divergence
+    assert set(grades.used) == {"recall", "race-divergence"}
+    assert {g for g, _ in grades.not_used} == {"exactness", "logprob"}
+    assert grades.alpha_per_grader == pytest.approx(GRADING.alpha / 2)
     assert all(f.status is Status.PASS for f in grades.findings), {f.check: f.reason for f in grades.findings}
+    assert merge(grades.findings).status is Status.PASS
     # a multiturn corruption shows through the race's PASS
     found = checks(graders.grade(corrupt_multiturn(combined()), GRADING, probes=("multiturn", "cold-race")).findings)
     assert found["race-divergence"].status is Status.PASS
-    assert found["exactness"].status is Status.FAIL
+    assert found["recall"].status is Status.FAIL
     # and the multiturn probe alone leaves race-divergence out
     assert "race-divergence" not in graders.grade(combined(), GRADING).used

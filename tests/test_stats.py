@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
+import random
 
 import pytest
 
@@ -39,15 +39,17 @@ def test_sign_test_without_flips_is_no_evidence() -> None:
     assert stats.sign_test(0, 0).p_value == 1.0
 
 
-def test_min_flips_detectable_at_one_percent_is_seven() -> None:
-    assert stats.min_flips_detectable(0.01) == 7
+def test_sign_critical_is_seven_at_one_percent() -> None:
+    assert stats.sign_critical(20, 0.01) == 7
+    assert stats.sign_critical(6, 0.01) is None  # six rows cannot reach p < 0.01 even if all flip
 
 
 @pytest.mark.parametrize("alpha", [0.5, 0.2, 0.1, 0.05, 0.01, 1 / 128, 0.005, 0.001])
-def test_min_flips_detectable_agrees_with_the_sign_test(alpha: float) -> None:
+def test_sign_critical_agrees_with_the_sign_test(alpha: float) -> None:
     # The graders call a result significant when p < alpha, so k flips must clear it and k - 1 must not,
     # including at alphas that are exact powers of 1/2, where p == alpha.
-    k = stats.min_flips_detectable(alpha)
+    k = stats.sign_critical(64, alpha)
+    assert k is not None
     assert stats.sign_test(k, 0).p_value < alpha
     assert k == 1 or stats.sign_test(k - 1, 0).p_value >= alpha
 
@@ -55,48 +57,48 @@ def test_min_flips_detectable_agrees_with_the_sign_test(alpha: float) -> None:
 # --- Mann-Whitney ------------------------------------------------------------------------------------------
 
 
-def _exact_null_variance(x: list[float], y: list[float]) -> float:
-    """Var(U) under the permutation null, by enumerating every split: the tie correction's reference value."""
-    pooled = [*x, *y]
-    ranks = stats._ranks(pooled)
-    n1 = len(x)
-    us = [sum(ranks[i] for i in idx) - n1 * (n1 + 1) / 2 for idx in itertools.combinations(range(len(pooled)), n1)]
-    return statistics.pvariance(us)
+def stats_ranks(values: list[float]) -> list[float]:
+    """Mid-ranks, by hand: the reference the scipy-backed statistic is checked against."""
+    return [sum(w < v for w in values) + (sum(w == v for w in values) + 1) / 2 for v in values]
 
 
-def test_mann_whitney_separated_samples() -> None:
-    x = [10.0, 11, 12, 13, 14, 15, 16, 17]
-    y = [0.0, 1, 2, 3, 4, 5, 6, 7]
+def test_mann_whitney_small_arms_are_exact() -> None:
+    # Every x beats every y: the permutation p is 1 / C(8, 4) = 1/70, which the normal approximation overstates.
+    result = stats.mann_whitney_greater([10.0, 11, 12, 13], [0.0, 1, 2, 3])
+    assert result.statistic == 16
+    assert result.p_value == pytest.approx(1 / 70, rel=1e-9)
+    assert stats.mann_whitney_greater([0.0, 1, 2, 3], [10.0, 11, 12, 13]).p_value == pytest.approx(1.0)
+
+
+def test_mann_whitney_small_arms_hold_their_level_under_the_null() -> None:
+    # The reason small arms are not approximated: the rate of p < 0.005 over exchangeable data must stay at or
+    # below 0.005 (the review found the normal approximation at 0.010 for n = 8, 27 with shared noise).
+    rng = random.Random(3)
+    trials = 400
+    hits = sum(
+        stats.mann_whitney_greater([rng.random() for _ in range(5)], [rng.random() for _ in range(6)]).p_value < 0.05
+        for _ in range(trials)
+    )
+    assert hits / trials <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / trials)
+
+
+def test_mann_whitney_large_arms_use_the_tie_corrected_normal_approximation() -> None:
+    x = [float(v) for v in range(10, 30)]
+    y = [float(v) for v in range(0, 20)]
     result = stats.mann_whitney_greater(x, y)
-    assert result.statistic == 64  # every x beats every y: U = n1 * n2
-    # mean 32, variance 8 * 8 * 17 / 12, continuity 0.5
-    assert result.p_value == pytest.approx(_normal_tail((64 - 32 - 0.5) / math.sqrt(64 * 17 / 12)), rel=1e-9)
-    assert result.p_value < 1e-3
-    assert stats.mann_whitney_greater(y, x).p_value > 0.999
+    ranks = stats_ranks([*x, *y])
+    u = sum(ranks[:20]) - 20 * 21 / 2
+    ties = 10 * (2**3 - 2)  # ten values appear twice
+    var = 20 * 20 / 12 * (41 - ties / (40 * 39))
+    assert result.statistic == pytest.approx(u)
+    assert result.p_value == pytest.approx(_normal_tail((u - 200 - 0.5) / math.sqrt(var)), rel=1e-6)
 
 
 def test_mann_whitney_identical_samples_are_not_evidence() -> None:
     same = [0.3, 0.3, 0.3, 0.3]
-    assert stats.mann_whitney_greater(same, same).p_value == 1.0  # all tied: zero variance
+    assert stats.mann_whitney_greater(same, same).p_value == 1.0
     varied = [0.1, 0.2, 0.3, 0.4, 0.5]
-    result = stats.mann_whitney_greater(varied, list(varied))
-    assert result.statistic == pytest.approx(12.5)
-    assert result.p_value > 0.5
-
-
-def test_mann_whitney_with_ties_uses_the_tie_corrected_variance() -> None:
-    x = [1.0, 2, 2, 3]
-    y = [2.0, 3, 3, 4]
-    # Pooled ranks: 1 -> 1, the three 2s -> 3, the three 3s -> 6, 4 -> 8. x's rank sum 13, U = 13 - 10 = 3.
-    forward = stats.mann_whitney_greater(x, y)
-    assert forward.statistic == pytest.approx(3)
-    var = 4 * 4 / 12 * (9 - (24 + 24) / (8 * 7))
-    assert var == pytest.approx(_exact_null_variance(x, y))
-    assert forward.p_value == pytest.approx(_normal_tail((3 - 8 - 0.5) / math.sqrt(var)), rel=1e-9)
-    reverse = stats.mann_whitney_greater(y, x)
-    assert reverse.statistic == pytest.approx(13)
-    assert reverse.p_value == pytest.approx(_normal_tail((13 - 8 - 0.5) / math.sqrt(var)), rel=1e-9)
-    assert reverse.p_value < 0.1 < 0.9 < forward.p_value
+    assert stats.mann_whitney_greater(varied, list(varied)).p_value > 0.5
 
 
 def test_mann_whitney_empty_arm() -> None:
@@ -162,3 +164,48 @@ def test_exceedance_is_exact_under_exchangeability() -> None:
         x, y = [order[i] for i in range(3)], [order[i] for i in range(3, 6)]
         hits += sum(v > max(y) for v in x) >= 2
     assert hits / len(orders) == pytest.approx(stats.exceedance([5, 4, 0], [1, 2, 3]).p_value)
+
+
+# --- power -------------------------------------------------------------------------------------------------
+
+
+def test_the_smallest_two_sample_p_is_one_over_the_splits() -> None:
+    assert stats.min_p_two_sample(3, 3) == pytest.approx(1 / 20)
+    assert stats.min_p_two_sample(5, 5) == pytest.approx(1 / 252)
+    assert stats.min_p_two_sample(0, 5) == 1.0
+    # It is what the tests reach when every x lies beyond every y.
+    x, y = [5.0, 6, 7], [1.0, 2, 3]
+    assert stats.exceedance(x, y).p_value == pytest.approx(stats.min_p_two_sample(3, 3))
+    assert stats.fisher_greater(3, 0, 0, 3).p_value == pytest.approx(stats.min_p_two_sample(3, 3))
+
+
+def test_exceedance_critical_is_the_first_significant_count() -> None:
+    m = stats.exceedance_critical(24, 24, 0.01 / 6)
+    assert m is not None
+    assert stats.exceedance([1.0] * m + [0.0] * (24 - m), [0.5] * 24).p_value < 0.01 / 6
+    assert stats.exceedance([1.0] * (m - 1) + [0.0] * (25 - m), [0.5] * 24).p_value >= 0.01 / 6
+    assert stats.exceedance_critical(3, 3, 0.01) is None
+
+
+def test_detectable_fraction_reaches_the_stated_power_by_simulation() -> None:
+    n, critical = 30, 8
+    q = stats.detectable_fraction(n, critical, 0.95)
+    assert q is not None and 0 < q < 1
+    rng = random.Random(0)
+    trials = 4000
+    caught = sum(sum(rng.random() < q for _ in range(n)) >= critical for _ in range(trials)) / trials
+    assert caught == pytest.approx(0.95, abs=0.015)
+    below = sum(sum(rng.random() < q * 0.8 for _ in range(n)) >= critical for _ in range(trials)) / trials
+    assert below < 0.93
+    assert stats.detectable_fraction(5, None) is None
+    assert stats.detectable_fraction(5, 6) is None
+
+
+def test_conversations_needed_grows_with_the_target() -> None:
+    level = 0.01 / 6
+    can_fail = stats.conversations_needed(4, 3, level)
+    for20, for10 = stats.conversations_needed(32, 24, level, 0.2), stats.conversations_needed(32, 24, level, 0.1)
+    assert can_fail is not None and for20 is not None and for10 is not None
+    assert 4 < can_fail < for20 < for10
+    n = can_fail * 3 // 4  # the same yield of 3 hits per 4 conversations
+    assert stats.min_p_two_sample(n, n) < level

@@ -1,0 +1,171 @@
+"""Two samples of hit-vs-recomputation deviations, judged the one way every grader judges them.
+
+The subject (treatment hits) is compared with a yardstick measured in the same run on a correct-by-construction
+path (the reference's hits, or cold racers). Three one-sided tests share the grader's alpha equally:
+
+- Mann-Whitney U on the deviations: the whole distribution shifted (every hit a little wrong);
+- exceedance: some subject deviations beyond the yardstick's largest (a fault that fires in some hits only);
+- Fisher's exact test on a count: bit-level differences where the yardstick is exact, confident token flips
+  where it is not.
+
+Before testing, the sample must be able to fail: the smallest attainable p-value, 1 / C(n_s + n_y, n_s), must beat
+the per-test level, or the finding is `InsufficientPower` with the run length that would do. Every PASS states
+the detectable size: a deviation beyond the yardstick's largest, in a fraction q of hits, caught with probability
+0.95 by the exceedance test (binomial tail over the critical count).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from blackbox import errors, stats
+from blackbox.verdict import Finding
+
+__all__ = ["POWER", "Sample", "judge_samples", "summary"]
+
+POWER = 0.95
+_TESTS = ("deviation shift", "deviations beyond the yardstick", "count")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One hit (or cold racer) against its recomputation on the same server."""
+
+    unit: int  # conversation or race round
+    label: str  # request kind
+    deviation: float  # inf: a confident token flip, or a different length
+    differs: bool  # not bit-identical (token, logprob and top-k)
+
+    @property
+    def hard(self) -> bool:
+        return self.deviation == math.inf
+
+
+def judge_samples(
+    check: str,
+    subject: Sequence[Sample],
+    yardstick: Sequence[Sample],
+    *,
+    alpha: float,
+    what: str,  # "decode-region hits"
+    against: str,  # "the reference's"
+    runs: int,  # conversations (or rounds) the subject came from, to say how many more would do
+    hint: str,
+    run_unit: str = "conversations",
+) -> Finding:
+    counted = "differs" if not any(s.differs for s in yardstick) else "hard"
+    counted_what = "differ from recomputation" if counted == "differs" else "flip a confident token"
+    level = alpha / len(_TESTS)
+    base: dict[str, Any] = {"n_subject": len(subject), "n_yardstick": len(yardstick), "alpha": alpha}
+    if stats.min_p_two_sample(len(subject), len(yardstick)) >= level:
+        need = stats.conversations_needed(runs, len(subject), level)
+        return Finding.from_error(
+            check,
+            errors.InsufficientPower(
+                f"{len(subject)} {what} against {len(yardstick)} of {against} cannot reach p < {level:.3g} even if "
+                "every one were corrupt",
+                hint=f"run about {need} {run_unit}" if need else f"run more {run_unit}",
+            ),
+            **base,
+            conversations_needed=need,
+        )
+    sx, yx = [s.deviation for s in subject], [s.deviation for s in yardstick]
+    s_count = sum(getattr(s, counted) for s in subject)
+    y_count = sum(getattr(s, counted) for s in yardstick)
+    tests = [
+        stats.mann_whitney_greater(sx, yx),
+        stats.exceedance(sx, yx),
+        stats.fisher_greater(s_count, len(subject) - s_count, y_count, len(yardstick) - y_count),
+    ]
+    largest = max(yx)
+    power = _power(len(subject), len(yardstick), y_count, level, largest, what, runs, run_unit)
+    figures = {
+        **base,
+        "alpha_per_test": level,
+        "subject_deviation": summary(sx),
+        "yardstick_deviation": summary(yx),
+        "counted": counted,
+        "subject_count": s_count,
+        "yardstick_count": y_count,
+        "subject_identical": sum(not s.differs for s in subject),
+        "yardstick_identical": sum(not s.differs for s in yardstick),
+        "p_values": {name: t.p_value for name, t in zip(_TESTS, tests, strict=True)},
+        # Every sample any test could have counted against the treatment: beyond the yardstick, or counted.
+        "mismatches": [
+            {"unit": s.unit, "kind": s.label, "deviation": s.deviation}
+            for s in subject
+            if s.deviation > largest or getattr(s, counted)
+        ],
+        **power[1],
+    }
+    failed = [f"{name} p = {t.p_value:.3g}" for name, t in zip(_TESTS, tests, strict=True) if t.p_value < level]
+    if failed:
+        return Finding.from_error(
+            check,
+            errors.CorruptionDetected(
+                f"{what} deviate from recomputation more than {against} do: {'; '.join(failed)} (< {level:.3g}); "
+                f"{s_count}/{len(subject)} {counted_what} vs {y_count}/{len(yardstick)}; "
+                f"{sum(s.deviation > largest for s in subject)} beyond the largest of {against} ({_nat(largest)})",
+                hint=hint,
+            ),
+            **figures,
+        )
+    smallest = min(t.p_value for t in tests)
+    return Finding.passed(
+        check,
+        f"{len(subject)} {what} within {against} {len(yardstick)} (smallest p = {smallest:.3g} >= {level:.3g}); "
+        + power[0],
+        **figures,
+    )
+
+
+def _power(
+    n_s: int, n_y: int, y_count: int, level: float, largest: float, what: str, runs: int, run_unit: str
+) -> tuple[str, dict[str, Any]]:
+    """The detectable size. Beyond a finite largest yardstick deviation, the exceedance test's critical count;
+    where the yardstick itself holds a confident flip nothing lies beyond it, so the count test's (Fisher's)
+    critical count of flipped subject samples, given the yardstick's, is what the run could see."""
+    for20 = None
+    if largest == math.inf:
+        critical = stats.fisher_critical(n_s, n_y, y_count, level)
+        size = "confident token flips"
+    else:
+        critical = stats.exceedance_critical(n_s, n_y, level)
+        size = f"a deviation beyond {_nat(largest)}" if largest > 0 else "any difference from recomputation"
+        for20 = stats.conversations_needed(runs, n_s, level, 0.2, POWER)
+    q = stats.detectable_fraction(n_s, critical, POWER)
+    sentence = (
+        f"{size} in >= {q:.0%} of {what} would have been detected with probability {POWER}"
+        if q is not None
+        else f"not even {size} in every one of the {what} could have been detected"
+    )
+    if for20 and (q is None or q > 0.2):
+        sentence += f"; 20% would need about {for20} {run_unit}"
+    figures = {
+        "detectable_fraction": q,
+        "detectable_deviation": largest,
+        "detection_power": POWER,
+        "conversations_for_20pct": for20,
+    }
+    return sentence, figures
+
+
+def _nat(value: float) -> str:
+    return "a confident token flip" if value == math.inf else f"{value:.3g} nat"
+
+
+def summary(values: Sequence[float]) -> dict[str, float | int]:
+    if not values:
+        return {}
+    finite = [v for v in values if v != math.inf]
+    return {
+        "n": len(values),
+        "hard": len(values) - len(finite),
+        "median": statistics.median(values),
+        "p95": stats.quantile(finite, 0.95) if finite else math.inf,
+        "max_finite": max(finite, default=0.0),
+    }
