@@ -184,12 +184,23 @@ def one_run(case: Case, fleet: Fleet, seed: int, length: int, args: argparse.Nam
         "caught_by": caught_by(verdict),
         "unknown_checks": sorted({f.check for f in verdict.findings if f.status in (Status.UNKNOWN, Status.ERROR)}),
         "needed": needed,
+        "asked": asked_length(verdict),
         "fired": fired1 - fired0,
         "skipped": skipped1 - skipped0,
         "wall_s": round(wall, 1),
         "reason": verdict.reason[:300],
         "hint": verdict.hint[:300],
     }
+
+
+def asked_length(verdict: Verdict) -> int | None:
+    """The longest run an `InsufficientPower` finding asked for (its `conversations_needed` figure), if any."""
+    asked: list[int] = []
+    for f in verdict.findings:
+        need = f.figures.get("conversations_needed")
+        if f.error_class == "InsufficientPower" and isinstance(need, int):
+            asked.append(need)
+    return max(asked) if asked else None
 
 
 def caught_by(verdict: Verdict) -> list[str]:
@@ -354,11 +365,16 @@ def git_commit(paths: Sequence[Path], message: str) -> None:
     subprocess.run(["git", "-C", str(ROOT), "commit", "-q", "-m", message, "--", *map(str, paths)], check=False)
 
 
-def extension(record: Mapping[str, Any], args: argparse.Namespace) -> int | None:
-    """The length to re-run a seed at, when the verdict asked for more evidence and --extend-to allows it."""
-    if args.extend_to and record["error_class"] in ("InsufficientPower", "NoEvidence"):
-        return args.extend_to if args.extend_to > record["length"] else None
-    return None
+def extension(case: Case, record: Mapping[str, Any], args: argparse.Namespace) -> int | None:
+    """The length to re-run a seed at when its verdict was `InsufficientPower`: what the verdict asked for (race
+    rounds are asked in total, run per prompt size), capped at --extend-to; None when no longer run is allowed."""
+    if not args.extend_to or record["error_class"] != "InsufficientPower":
+        return None
+    asked = record.get("asked") or args.extend_to
+    if case.probe != "multiturn":
+        asked = -(-asked // len(RaceSettings.sizes))
+    length = min(max(asked, record["length"] + 1), args.extend_to)
+    return length if length > record["length"] else None
 
 
 def pending_seeds(case: Case, args: argparse.Namespace) -> list[int]:
@@ -387,7 +403,7 @@ def run_seed(case: Case, fleet: Fleet, seed: int, args: argparse.Namespace, stam
             f"{record['fired']}/{record['fired'] + record['skipped']} ({record['wall_s']:.0f} s)",
             flush=True,
         )
-        length = extension(record, args)
+        length = extension(case, record, args)
     return made
 
 
@@ -422,7 +438,9 @@ def main() -> int:
     parser.add_argument("--seed-start", type=int, default=0)
     parser.add_argument("--conversations", type=int, default=32, help="multiturn run length")
     parser.add_argument("--race-rounds", type=int, default=RaceSettings.rounds_per_size, help="per prompt size")
-    parser.add_argument("--extend-to", type=int, default=0, help="re-run at this length when evidence was short")
+    parser.add_argument(
+        "--extend-to", type=int, default=0, help="on InsufficientPower, re-run at the length asked, up to this"
+    )
     parser.add_argument("--budget-min", type=float, default=0, help="start no run after this many minutes")
     parser.add_argument("--redo", action="store_true", help="run seeds already recorded again")
     parser.add_argument("--git-commit", action="store_true", help="commit the results after each case")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -91,3 +91,21 @@ def test_a_seed_counts_once_by_its_longest_run_and_a_redo_replaces_it(tmp_path: 
     assert cells[8] == "12/26/40 conv"
     assert cells[10] == "4/40 (10%)"
     assert "False alarms over every clean run: -" in text  # no clean run recorded: no figure
+
+
+def test_an_underpowered_seed_is_extended_to_the_length_asked_within_the_cap() -> None:
+    multiturn = next(c for c in bench.CASES if c.name == "stale-checkpoint 0.1 block")
+    race = next(c for c in bench.CASES if c.name == "chunk-end-as-boundary 0.1 block")
+
+    def ext(case: Any, cap: int, asked: int | None, length: int = 32, error: str = "InsufficientPower") -> int | None:
+        record = _run(0, length, "UNKNOWN", error, asked=asked)
+        return bench.extension(case, record, SimpleNamespace(extend_to=cap))
+
+    assert ext(multiturn, 128, 80) == 80
+    assert ext(multiturn, 64, 80) == 64  # capped
+    assert ext(multiturn, 128, None) == 128  # nothing asked: the cap
+    assert ext(multiturn, 128, 20) == 33  # asked for less than was run: one longer at least
+    assert ext(multiturn, 0, 80) is None  # --extend-to not given
+    assert ext(multiturn, 128, 80, error="NoEvidence") is None
+    assert ext(multiturn, 64, 80, length=64) is None  # already at the cap
+    assert ext(race, 12, 15, length=3) == 8  # 15 rounds in all: 8 per prompt size
