@@ -38,7 +38,8 @@ from servers.profiles import FRAGMENTED_BATCHED_TOKENS, ServerSpec, build_specs
 VERSIONS = ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")
 PROBE_PROFILES = {"multiturn": "cpu-tiny", "cold-race": "cpu-tiny-fragmented"}
 REPO = Path(__file__).resolve().parent.parent
-READY = ".blackbox-ready"  # holds the checkout the venv's editable install points at
+READY = ".blackbox-ready"
+READING = "## Reading these results"  # holds the checkout the venv's editable install points at
 RETENTION_FLAG = "--prefix-cache-retention-interval"
 ADAPTATION = re.compile(r"blackbox cpu-kernels: (vllm .*)$", re.MULTILINE)
 # Checks whose PASS reasons carry the figures worth a column (the rest are in the details).
@@ -302,7 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     if args.write is not None:
         args.write.parent.mkdir(parents=True, exist_ok=True)
-        args.write.write_text(text)
+        old = args.write.read_text() if args.write.exists() else ""
+        # The hand-written reading of the table survives a re-run.
+        kept = old[old.index(READING) :] if READING in old else ""
+        args.write.write_text(text + ("\n" + kept if kept else ""))
     (out_root / "results.json").parent.mkdir(parents=True, exist_ok=True)
     (out_root / "results.json").write_text(
         json.dumps(

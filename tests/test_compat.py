@@ -149,3 +149,80 @@ def test_install_on_the_installed_vllm_says_what_it_did() -> None:
     assert f"blackbox cpu-kernels: vllm {compat.vllm_version()}, " in out
     assert "FIRST registered through vLLM's Triton-kernel dispatcher 2" in out
     assert "SECOND 0" in out and "BOUND True" in out
+
+
+def test_positional_launcher_forwards_in_kernel_order(fake_modules: tuple[types.ModuleType, ...]) -> None:
+    # vLLM's CPU impls take the kernel's parameters in its order under other names (a_ptr -> a).
+    home, _ = fake_modules
+    seen: list[tuple[object, ...]] = []
+
+    def impl(a, b, BLOCK=4, EXTRA=None):  # type: ignore[no-untyped-def]
+        seen.append((a, b, BLOCK, EXTRA))
+
+    compat._check_arity(home.kernel, impl)  # type: ignore[attr-defined]
+    launcher = compat.Launcher(home.kernel, impl, positional=True)  # type: ignore[attr-defined]
+    launcher[(3,)](BLOCK=8, b=2, a_ptr=1)
+    launcher[(3,)](5, 6)
+    assert seen == [(1, 2, 8, None), (5, 6, 4, None)]
+    with pytest.raises(RuntimeError, match="unexpected arguments"):
+        launcher[(3,)](a_ptr=1, b=2, num_warps=4)
+
+
+def test_an_impl_missing_kernel_parameters_is_refused(fake_modules: tuple[types.ModuleType, ...]) -> None:
+    home, _ = fake_modules
+
+    def short(a, b):  # type: ignore[no-untyped-def]
+        pass
+
+    def extra_required(a, b, BLOCK, more):  # type: ignore[no-untyped-def]
+        pass
+
+    for impl in (short, extra_required):
+        with pytest.raises(compat.PortMismatch):
+            compat._check_arity(home.kernel, impl)  # type: ignore[attr-defined]
+
+
+def test_stranded_jit_owners_get_a_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 0.30's shape: owners in a module hold bare kernels; the runner re-points some owners itself.
+    def eagle_step_slot_mapping_metadata_kernel(  # type: ignore[no-untyped-def]
+        positions_ptr, block_table_ptr, block_table_stride, seq_lens_ptr, out_clamped_positions_ptr,
+        out_slot_mapping_ptr, block_size, max_model_len, n_blocks_per_req, PAD_ID, batch_size,
+    ):  # fmt: skip
+        raise AssertionError("Triton only")
+
+    def unknown_kernel(x_ptr):  # type: ignore[no-untyped-def]
+        raise AssertionError("Triton only")
+
+    class JitOwner(Owner):
+        def register_warmup(self) -> None:
+            pass
+
+    module = types.ModuleType("bb_fake_owners")
+    module._eagle = JitOwner(eagle_step_slot_mapping_metadata_kernel)  # type: ignore[attr-defined]
+    module._unknown = JitOwner(unknown_kernel)  # type: ignore[attr-defined]
+    module._runner_fixes_this = JitOwner(unknown_kernel)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(compat, "OWNER_MODULES", (module.__name__,))
+    monkeypatch.setattr(compat, "_runner_wired_owners", lambda: {"_runner_fixes_this"})
+    wired, missing = compat._wire_owners()
+    assert wired == ["bb_fake_owners._eagle (blackbox port)"]
+    assert missing == ["bb_fake_owners._unknown"]
+    launcher = module._eagle.kernel  # type: ignore[attr-defined]
+    assert isinstance(launcher, compat.Launcher) and launcher.passes_grid
+    assert "_kernel_arg_names" not in module._eagle.__dict__  # type: ignore[attr-defined]
+    assert module._runner_fixes_this.kernel is unknown_kernel  # type: ignore[attr-defined]
+    assert compat._wire_owners() == ([], ["bb_fake_owners._unknown"])  # idempotent
+
+
+def test_runner_owner_assignments_are_parsed() -> None:
+    # Lines as vLLM 0.30's CPUModelRunner has them: owners re-pointed, and module attributes patched.
+    source = """
+        spec_decode_utils._eagle_prepare_inputs_padded.kernel = (
+            cpu_tl.eagle_prepare_inputs_padded_kernel
+        )
+        spec_decode_utils._copy_and_expand_eagle_inputs.kernel = cpu_tl.copy_and_expand_eagle_inputs_kernel
+        spec_decode_utils.eagle_step_slot_mapping_metadata_kernel = (
+            cpu_tl.eagle_step_slot_mapping_metadata_kernel
+        )
+    """
+    assert compat.owner_assignments(source) == {"_eagle_prepare_inputs_padded", "_copy_and_expand_eagle_inputs"}

@@ -46,6 +46,7 @@ __all__ = [
     "PortMismatch",
     "install",
     "kernel_arg_names",
+    "owner_assignments",
     "rows_by_batch",
     "vllm_version",
 ]
@@ -211,7 +212,12 @@ def _runner_wired_owners() -> set[str]:
     spec = importlib.util.find_spec(CPU_MODEL_RUNNER)
     if spec is None or spec.origin is None:
         return set()
-    return set(re.findall(r"\.(\w+)\.kernel\s*=", Path(spec.origin).read_text()))
+    return owner_assignments(Path(spec.origin).read_text())
+
+
+def owner_assignments(source: str) -> set[str]:
+    """Names ``X`` assigned as ``<module>.X.kernel = ...`` in ``source``."""
+    return set(re.findall(r"\.(\w+)\.kernel\s*=", source))
 
 
 def _jit_owners() -> Iterator[tuple[str, Any]]:
