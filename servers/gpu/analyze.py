@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from blackbox.graders import deviations, divergence
+from blackbox.compare import deviation
 from blackbox.history import History, Kind
 from blackbox.store import load_history
 
@@ -34,7 +34,9 @@ def region_rows(history: History) -> list[dict[str, object]]:
                     continue
                 cached = hit.cached_tokens or 0
                 region = "none" if cached == 0 else "prefill" if cached <= plan.turn1_prompt_tokens else "decode"
-                dev = deviations(hit.tokens, fresh.tokens)
+                parted = [
+                    i for i, (a, b) in enumerate(zip(hit.tokens, fresh.tokens, strict=False)) if a.token != b.token
+                ]
                 rows.append(
                     {
                         "arm": arm,
@@ -42,9 +44,10 @@ def region_rows(history: History) -> list[dict[str, object]]:
                         "region": region,
                         "identical": list(hit.tokens) == list(fresh.tokens),
                         "same_text": [t.token for t in hit.tokens] == [t.token for t in fresh.tokens],
-                        "first": dev[0] if dev else None,
-                        "max_before": dev[1] if dev else None,
-                        "diverge_at": divergence(hit.tokens, fresh.tokens).position,
+                        "first": hit.tokens[0].gap(fresh.tokens[0]),
+                        # the graders' statistic: top-k gaps up to the first differing token, inf for a sure flip
+                        "max_before": deviation(hit.tokens, fresh.tokens, 1.0),
+                        "diverge_at": parted[0] if parted else -1,
                     }
                 )
     return rows
