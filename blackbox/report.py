@@ -28,6 +28,12 @@ def summary(result: RunResult) -> str:
     by_check = {f.check: f for f in v.findings}
     lines = [f"blackbox: {v.status.value}" + (f" ({v.error_class})" if v.error_class else "")]
     cache, trig, draft = _fig(by_check, "cache-live"), _fig(by_check, "trigger"), _fig(by_check, "drafter-live")
+    arms = result.history.arms() if result.history else set()
+    if arms and "control" not in arms:
+        lines.append(
+            "  mode            single endpoint: the control is the treatment's own no-reuse answers; recall grades "
+            "them, logprob and exactness need --reference"
+        )
     if result.geometry:
         lines.append(
             f"  geometry        block {result.geometry.block_size} tokens "
