@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from blackbox.server_info import FLAG_SINCE
+
 __all__ = [
     "CPU_COMPILE_ARGS",
     "DEFAULT_SPECULATIVE_CONFIG",
@@ -58,7 +60,7 @@ RETENTION_ARGS: tuple[str, ...] = ("--prefix-cache-retention-interval", "None")
 # The first vLLM release with that flag. Before it (0.26 refuses the flag: "unrecognized arguments") the
 # interval came only from the environment variable VLLM_PREFIX_CACHE_RETENTION_INTERVAL, and unset it
 # keeps every checkpoint, which is what the treatment needs.
-RETENTION_FLAG_SINCE: tuple[int, int] = (0, 29)
+RETENTION_FLAG_SINCE: tuple[int, int] = FLAG_SINCE["--prefix-cache-retention-interval"][:2]
 RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
 
 # The share of each GPU that the roles placed on it split between them (vLLM's own default is 0.9).
