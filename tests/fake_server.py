@@ -191,6 +191,8 @@ class FakeVLLM:
                 method, path, _ = lines[0].split(" ", 2)
                 headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
                 body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
+                if self._stopped().is_set():  # a connection accepted while the server was being killed
+                    break
                 if not await self._respond(writer, method, path.split("?")[0], headers, body):
                     break
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, ValueError):

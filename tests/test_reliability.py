@@ -211,7 +211,8 @@ CASES = [
         "server-killed-mid-run",
         "EndpointError",
         4,
-        SERVER + r": GET /metrics failed: ConnectError",
+        # The settled scrape or the requests' own failures may be the first to tell: both name the server.
+        SERVER + r": (GET /metrics|POST /v1/chat/completions) failed: ConnectError",
         treatment=lambda me: {"fault": chat_fault(lambda n: Kill() if n >= 3 else None)},
         retries=lambda rs: any("ConnectError" in r["reason"] for r in rs),
     ),
