@@ -10,7 +10,6 @@ counters when named `*_total`; a histogram's `_count` is a counter too.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,14 +102,11 @@ class MetricsDelta:
     during: Sequence[MetricsSnapshot] = ()  # every scrape taken between (and around) the two, in order
 
     def check_monotonic(self, arm: str) -> None:
-        # In time order (a scrape may be listed out of order). `before` and `after` re-read from their .prom files
-        # carry no time: they stay first and last, not at time 0 (which read a re-graded clean run as a restart).
-        timeline = [
-            (self.before.at or -math.inf, self.before),
-            *((snap.at, snap) for snap in self.during),
-            (self.after.at or math.inf, self.after),
-        ]
-        found = restarts([snap for _, snap in sorted(timeline, key=lambda pair: pair[0])])
+        # Every scrape in time order, stamped when its page arrived (`before` and `after` are among them, and
+        # periodic scrapes go on while `after` is read, so list order is not time order). A run folder re-read
+        # without its scrapes file has only the two .prom files, which carry no time.
+        timeline = sorted(self.during, key=lambda snap: snap.at) if self.during else [self.before, self.after]
+        found = restarts(timeline)
         if found:
             raise CounterReset(
                 f"{arm}: {found[0]}: the server restarted mid-run"

@@ -234,7 +234,8 @@ def test_scrapes_are_judged_in_time_order_not_list_order() -> None:
     start = dataclasses.replace(h.snapshot({metrics.CACHE_HITS: 0}), at=1.0)
     metrics.MetricsDelta(start, early, (start, late, early)).check_monotonic("treatment")
     with pytest.raises(errors.CounterReset):
-        metrics.MetricsDelta(start, dataclasses.replace(early, at=70.0), (start, late)).check_monotonic("treatment")
+        after = dataclasses.replace(early, at=70.0)  # the same numbers, read after `late`: a restart
+        metrics.MetricsDelta(start, after, (start, after, late)).check_monotonic("treatment")
 
 
 def test_before_and_after_read_back_from_files_stay_first_and_last() -> None:
