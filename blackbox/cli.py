@@ -1,6 +1,8 @@
 """`blackbox run` against live endpoints, `blackbox demo` on a CPU pair it launches itself.
 
-Exit codes: 0 pass, 1 corruption, 2 not exercised or unknown, 3 usage or config error, 4 endpoint or infrastructure.
+Exit codes: 0 pass, 1 corruption (only), 2 not exercised or unknown, 3 usage or configuration error,
+4 endpoint or infrastructure (a deadline too), 5 internal error (a blackbox bug), 6 the run folder could not be
+written, 130 interrupted (SIGINT or SIGTERM).
 """
 
 from __future__ import annotations
@@ -9,16 +11,23 @@ import argparse
 import asyncio
 import os
 import shlex
+import signal
 import sys
-from collections.abc import Sequence
+import tempfile
+import threading
+import traceback
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
-from blackbox import errors
+from blackbox import errors, guard, inputs
 from blackbox.config import GRADERS, PROBES, Grading, RunConfig
 from blackbox.engine import RunResult, judge, run
 from blackbox.race import RaceSettings
 from blackbox.report import ProgressLine, summary
-from blackbox.store import RunStore, load_history, load_preflight, new_run_id
+from blackbox.secrets import Redactor
+from blackbox.store import RunStore, load_history, load_preflight, new_run_id, write_traceback
 from blackbox.workload import Shape
 
 __all__ = ["main"]
@@ -54,6 +63,25 @@ def _common(p: argparse.ArgumentParser) -> None:
         type=int,
         help="the treatment's step budget, when its /server_info is not exposed (cold-race trigger proof)",
     )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=RunConfig.timeout_s,
+        help="seconds to wait for one chat completion (default 300); /health, /metrics etc. wait at most 30",
+    )
+    p.add_argument("--deadline", type=float, help="seconds for the whole run; past it the verdict is DeadlineExceeded")
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=RunConfig.heartbeat_s,
+        help="print a line when a request has waited this many seconds (default 15)",
+    )
+    p.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=RunConfig.scrape_s,
+        help="read every server's /metrics this often during the run to catch restarts (default 5; 0: off)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,7 +103,10 @@ def _parser() -> argparse.ArgumentParser:
         help="a /metrics URL of one replica behind the treatment's router (repeat for each; they are summed); "
         "per-request cached_tokens remain the trigger's ground truth",
     )
-    r.add_argument("--api-key-env", default="BLACKBOX_API_KEY", help="environment variable holding the API key")
+    r.add_argument(
+        "--api-key-env", help="name of the environment variable holding the API key (default BLACKBOX_API_KEY)"
+    )
+    r.add_argument("--api-key-file", help="read the API key from this file instead (one line)")
     _common(r)
     g = sub.add_parser("grade", help="re-judge a stored run folder offline (no servers needed)")
     # No --alpha here: choosing the significance level after seeing the data would void it.
@@ -105,21 +136,56 @@ def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | 
         seed=args.seed,
         concurrency=args.concurrency,
         block_size=args.block_size,
-        api_key_env=getattr(args, "api_key_env", "BLACKBOX_API_KEY"),
+        api_key_env=getattr(args, "api_key_env", None) or "BLACKBOX_API_KEY",
         shape=shape,
         grading=grading,
         probes=tuple(dict.fromkeys(args.probe or ("multiturn",))),
         race=RaceSettings(racers=args.racers),
         max_num_batched_tokens=args.max_num_batched_tokens,
         treatment_metrics=tuple(getattr(args, "treatment_metrics", None) or ()),
+        api_key_file=getattr(args, "api_key_file", None),
+        deadline_s=args.deadline,
+        heartbeat_s=args.heartbeat,
+        scrape_s=args.scrape_interval,
+        timeout_s=args.request_timeout,
     )
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Flags that RunConfig does not see, checked before any folder is made or server contacted."""
+    inputs.check_out_dir(args.out)
+    for flag in ("conversations", "concurrency", "racers", "prompt_blocks", "answer_blocks"):
+        inputs.positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    inputs.positive("--block-size", args.block_size)
+    inputs.positive("--max-num-batched-tokens", args.max_num_batched_tokens)
+    inputs.probability("--alpha", args.alpha)
+    inputs.probability("--min-trigger-fraction", args.min_trigger_fraction, closed=True)
+
+
+def _warn_key(config: RunConfig, named: bool) -> None:
+    """An unset variable the user named means requests go without a key: say so before the 401s do."""
+    if named and not config.api_key_file and config.api_key is None:
+        print(
+            f"blackbox: warning: ${config.api_key_env} (named by --api-key-env) is not set; "
+            "requests are sent without an API key",
+            file=sys.stderr,
+        )
+
+
 def execute(config: RunConfig, out: Path, command: Sequence[str], log_dir: Path | None = None) -> RunResult:
-    store = RunStore(out, new_run_id(config.seed))
+    """One run into a new folder under `out`. Whatever happens after the folder exists, verdict.json is
+    written (disk permitting) and the result says how the run ended."""
+    redact = Redactor(config.api_key)
+    try:
+        store = RunStore(out, new_run_id(config.seed), redact)
+    except OSError as exc:
+        raise errors.StorageError(
+            f"cannot create a run folder under {out}: {exc.strerror or type(exc).__name__}",
+            hint="free disk space or fix the folder's permissions (--out DIR)",
+        ) from exc
     try:
         store.write_text("command.txt", shlex.join(command) + "\n")
-        result = asyncio.run(run(config, store, ProgressLine()))
+        result = asyncio.run(_signalled(run(config, store, ProgressLine())))
         if log_dir is not None:
             store.copy_logs(log_dir)
         store.write_text("summary.txt", summary(result) + "\n")
@@ -128,11 +194,22 @@ def execute(config: RunConfig, out: Path, command: Sequence[str], log_dir: Path 
         store.close()
 
 
+async def _signalled(work: Coroutine[Any, Any, RunResult]) -> RunResult:
+    """SIGINT and SIGTERM cancel the run, which then ends as `Interrupted` with its verdict written."""
+    task = asyncio.current_task()
+    assert task is not None
+    with guard.cancel_on_signals(task):
+        return await work
+
+
 def _run(args: argparse.Namespace) -> int:
     urls = {"treatment": args.treatment, "control": args.control, "reference": args.reference}
+    _check(args)
     config = _config(args, urls, args.model)
+    _warn_key(config, named=args.api_key_env is not None)
+    _Console.redact = Redactor(config.api_key)
     result = execute(config, args.out, ["blackbox", *sys.argv[1:]])
-    print(summary(result))
+    print(_Console.redact(summary(result)))
     return result.verdict.exit_code
 
 
@@ -141,7 +218,9 @@ def _demo(args: argparse.Namespace) -> int:
     from servers.profiles import build_specs
 
     roles = ("treatment", "control") if args.no_reference else ("treatment", "control", "reference")
-    args.out.mkdir(parents=True, exist_ok=True)
+    _check(args)
+    inputs.positive("--base-port", args.base_port, minimum=1024)
+    inputs.positive("--base-port", 65536 - args.base_port - len(roles))
     log_dir = args.out / f"servers-{new_run_id(args.seed)}"
     print(
         f"blackbox demo: building the model and starting {', '.join(roles)} ({args.profile}); server logs in {log_dir}",
@@ -164,6 +243,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _grade(args: argparse.Namespace) -> int:
+    if not args.run_dir.is_dir():
+        raise errors.UsageError(f"{args.run_dir} is not a folder", hint="pass a folder under runs/")
+    stopped = guard.unfinished(args.run_dir) if (args.run_dir / "config.json").is_file() else None
+    if stopped is not None:
+        raise stopped
     missing = [f for f in ("config.json", "geometry.json", "exchanges.jsonl") if not (args.run_dir / f).is_file()]
     if missing:
         raise errors.UsageError(
@@ -172,22 +256,64 @@ def _grade(args: argparse.Namespace) -> int:
         )
     data, history = load_history(args.run_dir)
     config = RunConfig.from_json(data)
-    verdict, grades = judge(history, config, load_preflight(args.run_dir))
+    try:
+        verdict, grades = judge(history, config, load_preflight(args.run_dir))
+    except Exception as exc:
+        text = "".join(traceback.format_exception(exc))
+        kept = write_traceback(args.run_dir, text, Redactor(), "traceback-grade.txt")
+        raise errors.InternalError(
+            f"blackbox itself failed while grading: {type(exc).__name__}",
+            hint=f"a bug in blackbox: the traceback is in {kept or 'no file (the folder is not writable)'}",
+        ) from exc
     print(summary(RunResult(verdict, history, grades, args.run_dir, 0.0)))
     return verdict.exit_code
+
+
+class _Console:
+    """What the terminal gets passes the same redactor as the run folder."""
+
+    redact = Redactor()
+
+
+def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # outside a run's event loop SIGTERM stops like Ctrl-C does
+
+
+def _internal(exc: Exception) -> int:
+    """The last resort: an exception outside any run. One line on the terminal, the traceback in a file."""
+    text = "".join(traceback.format_exception(exc))
+    fd, name = tempfile.mkstemp(prefix="blackbox-traceback-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(_Console.redact(text))
+    error = errors.InternalError(
+        f"blackbox itself failed: {type(exc).__name__}", hint=f"a bug in blackbox: the traceback is in {name}"
+    )
+    print(f"blackbox: {error.title}: {_Console.redact(str(error))}", file=sys.stderr)
+    return error.exit_code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     commands = {"run": _run, "demo": _demo, "grade": _grade}
+    _Console.redact = Redactor()
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm) if _main_thread() else None
     try:
         return commands[args.command](args)
     except errors.BlackboxError as exc:
-        print(f"blackbox: {exc.title}: {exc}", file=sys.stderr)
+        print(f"blackbox: {exc.title}: {_Console.redact(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("blackbox: interrupted; what was recorded is in the run folder", file=sys.stderr)
-        return 130
+        print("blackbox: Interrupted: what was recorded is in the run folder", file=sys.stderr)
+        return errors.Interrupted.exit_code
+    except Exception as exc:
+        return _internal(exc)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":

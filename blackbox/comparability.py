@@ -17,7 +17,7 @@ meaningless, so these are checked in seconds, before any conversation, and a fai
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -46,7 +46,9 @@ class ArmFacts:
     snapshot: MetricsSnapshot
 
 
-async def gather(endpoint: Endpoint, snapshot: MetricsSnapshot, salt: str) -> ArmFacts:
+async def gather(
+    endpoint: Endpoint, snapshot: MetricsSnapshot, salt: str, record: Callable[[Exchange], object]
+) -> ArmFacts:
     body = {
         "messages": list(_PROMPT),
         "temperature": 0.0,
@@ -57,6 +59,18 @@ async def gather(endpoint: Endpoint, snapshot: MetricsSnapshot, salt: str) -> Ar
         "cache_salt": f"{salt}-comparability-{endpoint.arm}",
     }
     answer = await endpoint.chat(body, conversation=-1, kind="comparability")
+    record(answer)
+    # A server that fails or drops logprobs is broken, not of another model: an endpoint error, not a usage one.
+    if not answer.ok:
+        raise errors.EndpointError(
+            f"{endpoint.arm}: a short greedy request failed: {answer.error}",
+            hint="see exchanges.jsonl in the run folder and the server log",
+        )
+    if not answer.tokens or any(not math.isfinite(t.logprob) for t in answer.tokens):
+        raise errors.EndpointError(
+            f"{endpoint.arm} at {endpoint.base_url} answered without finite logprobs",
+            hint="the server must honour `logprobs` and `top_logprobs` (check --max-logprobs and any proxy)",
+        )
     return ArmFacts(
         endpoint.arm,
         endpoint.base_url,
@@ -112,11 +126,6 @@ def _comparable(facts: Mapping[str, ArmFacts], hard_margin: float) -> Finding:
 
 
 def _same_answer(mine: Exchange, theirs: Exchange, hard_margin: float) -> tuple[str | None, float | None]:
-    for e in (mine, theirs):
-        if not e.ok:
-            return f"a short greedy request failed on the {e.arm}: {e.error}", None
-        if not e.tokens or any(not math.isfinite(t.logprob) for t in e.tokens):
-            return f"the {e.arm} answered without finite logprobs (does it honour `logprobs`?)", None
     dev = deviation(theirs.tokens, mine.tokens, hard_margin)
     if dev >= hard_margin:
         text = "a token where the treatment was sure" if dev == math.inf else f"a deviation of {dev:.3g} nat"

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from blackbox import inputs, secrets
 from blackbox.errors import UsageError
 from blackbox.race import RaceSettings
 from blackbox.workload import Shape
@@ -47,6 +47,11 @@ class RunConfig:
     race: RaceSettings = field(default_factory=RaceSettings)
     max_num_batched_tokens: int | None = None  # the treatment's step budget, if /server_info is not offered
     treatment_metrics: tuple[str, ...] = ()  # the /metrics URLs of replicas behind the treatment's router
+    # Reliability (issue 9): the key's file, the whole-run deadline, the heartbeat and mid-run /metrics scrapes.
+    api_key_file: str | None = None  # read instead of the variable; the path is stored, never the key
+    deadline_s: float | None = None  # the whole run, set-up to verdict; None: no limit
+    heartbeat_s: float = 15.0  # a line on stderr while a request has waited this long
+    scrape_s: float = 5.0  # /metrics of every server this often during the run, so a restart is caught
 
     def __post_init__(self) -> None:
         _require(self.conversations >= 1, "--conversations must be at least 1")
@@ -71,10 +76,11 @@ class RunConfig:
             "--prompt-blocks must be at least 2 (the probe needs a cached block)",
         )
         _require(self.shape.answer_blocks >= 1, "--answer-blocks must be at least 1")
+        _check_reliability(self)
 
     @property
     def api_key(self) -> str | None:
-        return os.environ.get(self.api_key_env) or None
+        return secrets.read_key(self.api_key_env, self.api_key_file)
 
     def to_json(self) -> dict[str, Any]:
         """Everything needed to replay the run; the API key is named by its variable, never stored."""
@@ -96,6 +102,18 @@ class RunConfig:
                 "treatment_metrics": tuple(data.get("treatment_metrics", ())),
             }
         )
+
+
+def _check_reliability(config: RunConfig) -> None:
+    secrets.check_env_name(config.api_key_env)
+    for name in ("treatment", "control", "reference"):
+        url = getattr(config, name)
+        if url is not None:
+            inputs.check_url(f"--{name}", url)
+    inputs.positive("--request-timeout", config.timeout_s, minimum=0.1)
+    inputs.positive("--deadline", config.deadline_s, minimum=1)
+    inputs.positive("--heartbeat", config.heartbeat_s, minimum=0.1)
+    _require(config.scrape_s >= 0, "--scrape-interval must be 0 (off) or positive")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from blackbox import comparability, errors, gates, geometry, metrics, race
+from blackbox import comparability, errors, gates, geometry, guard, metrics, race
 from blackbox.client import Endpoint, gather_bounded
 from blackbox.config import RunConfig
 from blackbox.graders import Grades, grade
@@ -37,8 +37,26 @@ class RunResult:
 
 
 async def run(config: RunConfig, store: RunStore, progress: Progress | None = None) -> RunResult:
-    """Never raises a BlackboxError: an endpoint or geometry failure becomes the verdict, and the store keeps
-    what was recorded up to it."""
+    """Never raises (bar SystemExit): whatever ends the run (a verdict, the --deadline, SIGINT/SIGTERM as a
+    cancellation, an unexpected exception) ends it with verdict.json written, when the disk allows."""
+    started = time.monotonic()
+    tracked = guard.Progress(progress or _quiet)
+    try:
+        return await guard.within(_run(config, store, tracked), config.deadline_s)
+    except BaseException as exc:
+        error = guard.as_error(exc, config, tracked, store.recorded)
+        if error is None:
+            raise
+        guard.keep_traceback(store.path, exc, error, store.redact)
+        verdict = merge([Finding.from_error("run", error)])
+        try:
+            return _finish(store, verdict, None, None, started, None)
+        except errors.StorageError:
+            return RunResult(verdict, None, None, store.path, time.monotonic() - started)
+
+
+async def _run(config: RunConfig, store: RunStore, progress: Progress) -> RunResult:
+    """An endpoint or geometry failure becomes the verdict, and the store keeps what was recorded up to it."""
     started = time.monotonic()
     store.write_json("config.json", config.to_json())  # first, so even a run cut short can be read and replayed
     urls = {Arm.TREATMENT: config.treatment}
@@ -46,13 +64,17 @@ async def run(config: RunConfig, store: RunStore, progress: Progress | None = No
         urls[Arm.CONTROL] = config.control
     if config.reference:
         urls[Arm.REFERENCE] = config.reference
+    watch = guard.watch(config, store)
+    key, key_source = config.api_key, guard.key_source(config)
     endpoints = {
         arm: Endpoint(
             arm,
             url,
-            api_key=config.api_key,
+            api_key=key,
             model=config.model,
             timeout_s=config.timeout_s,
+            watch=watch,
+            key_source=key_source,
             metrics_urls=config.treatment_metrics if arm == Arm.TREATMENT else (),
         )
         for arm, url in urls.items()
@@ -60,7 +82,8 @@ async def run(config: RunConfig, store: RunStore, progress: Progress | None = No
     history: History | None = None
     geo: geometry.Geometry | None = None
     try:
-        history, geo, preflight = await _drive(config, endpoints, store, progress or _quiet)
+        async with watch.running(endpoints.values()):
+            history, geo, preflight = await _drive(config, endpoints, store, progress)
     except errors.BlackboxError as exc:
         verdict = merge([Finding.from_error("setup", exc)])
         return _finish(store, verdict, None, None, started, geo)
@@ -69,7 +92,7 @@ async def run(config: RunConfig, store: RunStore, progress: Progress | None = No
     if history is None:  # the servers are not comparable: nothing was sent
         return _finish(store, merge(preflight), None, None, started, geo)
     verdict, grades = judge(history, config, preflight)
-    _write_replays(store, urls, history, verdict, config.api_key_env)
+    _write_replays(store, urls, history, verdict, config.api_key_env, config.api_key_file)
     return _finish(store, verdict, history, grades, started, geo)
 
 
@@ -99,9 +122,7 @@ async def _drive(
     for arm, snap in before.items():
         store.write_text(f"metrics/{arm}-before.prom", snap.text)
     salt = f"blackbox-{store.path.name}"
-    facts = {arm: await comparability.gather(e, before[arm], salt) for arm, e in endpoints.items()}
-    for fact in facts.values():
-        store.record(fact.answer)
+    facts = {arm: await comparability.gather(e, before[arm], salt, store.record) for arm, e in endpoints.items()}
     preflight = comparability.check(facts, config.grading.hard_margin)
     store.write_json("preflight.json", [f.to_json() for f in preflight])
     known = [f.max_model_len for f in facts.values() if f.max_model_len is not None]
@@ -131,7 +152,8 @@ async def _drive(
     after = {arm: await _settle(e, config.settle_s) for arm, e in endpoints.items()}
     for arm, snap in after.items():
         store.write_text(f"metrics/{arm}-after.prom", snap.text)
-    deltas = {arm: MetricsDelta(before[arm], after[arm]) for arm in endpoints}
+    # Every scrape in between too (periodic ones included), so a restart that the counters outgrew is caught.
+    deltas = {arm: MetricsDelta(before[arm], after[arm], tuple(endpoints[arm].scrapes)) for arm in endpoints}
     history = History(
         geo.block_size,
         tuple(plans),
@@ -257,14 +279,21 @@ async def _settle(endpoint: Endpoint, limit_s: float) -> MetricsSnapshot:
     return last
 
 
-def _write_replays(store: RunStore, urls: Mapping[str, str], history: History, verdict: Verdict, key_env: str) -> None:
+def _write_replays(
+    store: RunStore,
+    urls: Mapping[str, str],
+    history: History,
+    verdict: Verdict,
+    key_env: str,
+    key_file: str | None = None,
+) -> None:
     flagged: set[int] = set()
     for f in verdict.findings:
         for m in f.figures.get("mismatches", ()) or ():
             flagged.add(int(m.get("conversation", m.get("round", -1))))
         flagged.update(int(c) for c in f.figures.get("forward_flips", ()) or ())
     flagged = flagged or {p.index for p in history.plans[:1]} or {r.index for r in history.races[:1]}
-    store.write_replays(urls, (e for e in history.exchanges if e.conversation in flagged), key_env)
+    store.write_replays(urls, (e for e in history.exchanges if e.conversation in flagged), key_env, key_file)
 
 
 def _finish(

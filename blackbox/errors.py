@@ -13,8 +13,13 @@
     │   ├── InsufficientPower         a grader's sample could not have reached significance
     │   └── GraderCrashed             a grader raised (a bug of blackbox): not a verdict on the server
     ├── UsageError                ERROR: bad input or configuration (exit 3)
-    └── EndpointError             ERROR: a server or the network failed (exit 4)
-        └── ServerStartError          a launched server died or never became healthy
+    │   └── ConfigMismatch            a server is not what the command says (wrong model, not vLLM, no key)
+    ├── EndpointError             ERROR: a server or the network failed (exit 4)
+    │   ├── ServerStartError          a launched server died or never became healthy
+    │   └── DeadlineExceeded          the run did not finish within --deadline
+    ├── InternalError             ERROR: an unexpected exception inside blackbox, a bug (exit 5)
+    ├── StorageError              ERROR: the run folder could not be written (disk full, permissions) (exit 6)
+    └── Interrupted               ERROR: SIGINT or SIGTERM stopped the run (exit 130)
 
 A FAIL is the server under test misbehaving; UNKNOWN and ERROR are never read as PASS.
 """
@@ -24,17 +29,22 @@ from __future__ import annotations
 __all__ = [
     "BlackboxError",
     "CacheNotLive",
+    "ConfigMismatch",
     "ControlQualityFailure",
     "CorruptionDetected",
     "CounterReset",
+    "DeadlineExceeded",
     "EndpointError",
     "GeometryUnsupported",
     "GraderCrashed",
     "Inconclusive",
     "InsufficientPower",
+    "InternalError",
+    "Interrupted",
     "NoEvidence",
     "ServerStartError",
     "SpecDecodeNotEngaged",
+    "StorageError",
     "TriggerNotExercised",
     "UsageError",
 ]
@@ -112,3 +122,23 @@ class EndpointError(BlackboxError):
 
 class ServerStartError(EndpointError):
     pass
+
+
+class ConfigMismatch(UsageError):
+    pass
+
+
+class DeadlineExceeded(EndpointError):
+    pass
+
+
+class InternalError(BlackboxError):
+    exit_code = 5
+
+
+class StorageError(BlackboxError):
+    exit_code = 6
+
+
+class Interrupted(BlackboxError):
+    exit_code = 130

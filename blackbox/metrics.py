@@ -1,13 +1,18 @@
 """Prometheus counters from `/metrics`: snapshots, settled deltas, and the labels vLLM publishes its config in.
 
 vLLM updates counters after the response is sent, so a delta is read only once the counters stop moving.
-A counter that went backwards means the server restarted mid-run: that is `CounterReset`, never a zero delta.
+A restart mid-run is `CounterReset`, never a zero delta: a counter that went backwards between any two scrapes
+(blackbox scrapes during the run too, so a restarted server that grew past its old values is still caught), a
+changed `*_created` timestamp, or a changed `process_start_time_seconds`. Series without a `# TYPE` line count as
+counters when named `*_total`; histogram `_count` and `_bucket` series are counters too.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,7 +27,10 @@ __all__ = [
     "MetricsDelta",
     "MetricsSnapshot",
     "combine",
+    "from_compact",
+    "is_vllm",
     "parse",
+    "restarts",
 ]
 
 CACHE_QUERIES = "vllm:prefix_cache_queries"
@@ -32,6 +40,7 @@ DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
+START_TIME = "process_start_time_seconds"
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -44,6 +53,18 @@ class MetricsSnapshot:
     info: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     counters: frozenset[str] = frozenset()
     text: str = ""
+    created: Mapping[tuple[str, Labels], float] = field(default_factory=dict)  # `*_created`: when a series began
+    at: float = 0.0  # seconds since the run's first scrape, for messages; 0 when not known
+
+    def compact(self) -> dict[str, Any]:
+        """What restart detection needs, for `metrics/<arm>-scrapes.jsonl`: counters, created, start time."""
+        keep = [[n, dict(ls), v] for (n, ls), v in self.samples.items() if n in self.counters or n == START_TIME]
+        return {
+            "at": round(self.at, 3),
+            "counters": sorted(self.counters),
+            "samples": keep,
+            "created": [[n, dict(ls), v] for (n, ls), v in self.created.items()],
+        }
 
     def value(self, name: str, **labels: str) -> float | None:
         """Sum over every series of `name` whose labels include `labels`; None when absent."""
@@ -79,14 +100,47 @@ class MetricsDelta:
         before = self.before.per_label(name, label)
         return {k: v - before.get(k, 0.0) for k, v in self.after.per_label(name, label).items()}
 
+    during: Sequence[MetricsSnapshot] = ()  # every scrape taken between (and around) the two, in order
+
     def check_monotonic(self, arm: str) -> None:
-        for key, b in self.before.samples.items():
-            a = self.after.samples.get(key)
-            if key[0] in self.after.counters and a is not None and a < b:
-                raise CounterReset(
-                    f"{arm}: counter {key[0]} went backwards ({b:g} -> {a:g}): the server restarted mid-run",
-                    hint="check the server log for a crash or restart, then re-run",
-                )
+        # In time order: periodic scrapes go on while the settled `after` is read, so list order is not time order.
+        found = restarts(sorted([self.before, *self.during, self.after], key=lambda snap: snap.at))
+        if found:
+            raise CounterReset(
+                f"{arm}: {found[0]}: the server restarted mid-run"
+                + (f" ({len(found) - 1} more signs of it)" if len(found) > 1 else ""),
+                hint="check the server log for a crash or restart, then re-run",
+            )
+
+
+def restarts(scrapes: Sequence[MetricsSnapshot]) -> list[str]:
+    """Every sign of a restart between consecutive scrapes, as sentences."""
+    found: list[str] = []
+    for prev, cur in itertools.pairwise(scrapes):
+        when = f" (scrapes at {prev.at:.0f} s and {cur.at:.0f} s)" if cur.at else ""
+        for key, b in prev.samples.items():
+            a = cur.samples.get(key)
+            if a is None:
+                continue
+            if key[0] in cur.counters and key[0] in prev.counters and a < b:
+                found.append(f"counter {_series(key)} went backwards ({b:g} -> {a:g}){when}")
+            elif key[0] == START_TIME and a != b:
+                found.append(f"{START_TIME} changed ({b:.0f} -> {a:.0f}){when}")
+        for key, b in prev.created.items():
+            a = cur.created.get(key)
+            if a is not None and a != b:
+                found.append(f"{_series(key)}_created changed ({b:.0f} -> {a:.0f}){when}")
+    return found
+
+
+def _series(key: tuple[str, Labels]) -> str:
+    name, labels = key
+    shown = ",".join(f"{k}={v}" for k, v in labels if k not in ("engine", "model_name"))
+    return f"{name}{{{shown}}}" if shown else name
+
+
+def is_vllm(snapshot: MetricsSnapshot) -> bool:
+    return any(n.startswith("vllm:") for n, _ in snapshot.samples) or any(n.startswith("vllm:") for n in snapshot.info)
 
 
 def combine(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
@@ -97,25 +151,52 @@ def combine(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
             samples[key] = samples.get(key, 0.0) + value
     info = snapshots[0].info if snapshots else {}
     counters = frozenset().union(*(s.counters for s in snapshots))
-    return MetricsSnapshot(samples, info, counters, "".join(s.text for s in snapshots))
+    created = {k: v for s in snapshots for k, v in s.created.items()}  # any replica's restart shows in its own
+    return MetricsSnapshot(
+        samples, info, counters, "".join(s.text for s in snapshots), created, max((s.at for s in snapshots), default=0)
+    )
 
 
-def parse(text: str) -> MetricsSnapshot:
+def parse(text: str, source: str = "/metrics", at: float = 0.0) -> MetricsSnapshot:
+    """`source` names the server in the error a malformed page raises."""
     samples: dict[tuple[str, Labels], float] = {}
+    created: dict[tuple[str, Labels], float] = {}
     info: dict[str, dict[str, str]] = {}
     counters: set[str] = set()
     try:
         families = list(text_string_to_metric_families(text))
-    except ValueError as exc:
-        raise EndpointError(f"/metrics is not Prometheus text: {exc}", hint="is this a vLLM server?") from exc
+    except (ValueError, TypeError, IndexError) as exc:
+        raise EndpointError(
+            f"{source} is not Prometheus text ({type(exc).__name__}: {str(exc)[:120]})",
+            hint="is this URL a vLLM server? its /metrics page should be Prometheus text",
+        ) from exc
     for family in families:
         if family.type == "counter":
             counters.add(family.name)
         for s in family.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
             if s.name.endswith("_created"):
+                created[(s.name.removesuffix("_created"), key[1])] = float(s.value)
                 continue
-            name = s.name.removesuffix("_total")
-            samples[(name, tuple(sorted(s.labels.items())))] = float(s.value)
-            if family.type in ("info", "gauge") and s.name.endswith("_info"):
+            if family.type == "unknown" and s.name.endswith("_total"):
+                counters.add(s.name.removesuffix("_total"))
+            if family.type == "histogram" and s.name.endswith(("_count", "_bucket")):
+                counters.add(s.name)
+            samples[(s.name.removesuffix("_total"), key[1])] = float(s.value)
+            if family.type in ("info", "gauge", "unknown") and s.name.endswith("_info"):
                 info[s.name] = dict(s.labels)
-    return MetricsSnapshot(samples, info, frozenset(counters), text)
+    return MetricsSnapshot(samples, info, frozenset(counters), text, created, at)
+
+
+def from_compact(data: Mapping[str, Any]) -> MetricsSnapshot:
+    def keyed(rows: Sequence[Sequence[Any]]) -> dict[tuple[str, Labels], float]:
+        return {(str(n), tuple(sorted(dict(ls).items()))): float(v) for n, ls, v in rows}
+
+    return MetricsSnapshot(
+        keyed(data.get("samples", [])),
+        {},
+        frozenset(data.get("counters", [])),
+        "",
+        keyed(data.get("created", [])),
+        float(data.get("at", 0.0)),
+    )

@@ -5,29 +5,38 @@ runs/<run-id>/
   command.txt           the blackbox command that re-runs it
   exchanges.jsonl       every request and response, with timing and cached_tokens
   metrics/<arm>-{before,after}.prom
-  verdict.json          the verdict and every finding with its figures
+  metrics/<arm>-scrapes.jsonl   counters at every /metrics read during the run (restart detection)
+  retries.jsonl         every retried request: server, request, attempt, reason, wait
+  verdict.json          the verdict and every finding with its figures; written however the run ended
+  traceback.txt         only when blackbox itself failed (InternalError): the traceback, kept off the terminal
   summary.txt           what the console printed
   replay/<case>.sh      a curl per request of each conversation a grader flagged (no secrets)
   servers/              the server logs, when blackbox launched the servers
+
+Everything written passes the run's `Redactor`, so the API key never lands in the folder; a write that fails
+(disk full, permissions) is a `StorageError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from blackbox.errors import StorageError, UsageError
 from blackbox.history import Exchange
+from blackbox.secrets import Redactor, check_env_name
 
 if TYPE_CHECKING:
     from blackbox.history import History
     from blackbox.verdict import Finding
 
-__all__ = ["RunStore", "curl_command", "load_history", "load_preflight", "new_run_id"]
+__all__ = ["RunStore", "curl_command", "load_history", "load_preflight", "new_run_id", "write_traceback"]
 
 
 def new_run_id(seed: int) -> str:
@@ -35,58 +44,109 @@ def new_run_id(seed: int) -> str:
 
 
 class RunStore:
-    def __init__(self, root: Path, run_id: str) -> None:
+    def __init__(self, root: Path, run_id: str, redact: Redactor | None = None) -> None:
         self.path = root / run_id
+        self.redact = redact or Redactor()
+        self.recorded = 0  # exchanges written, for the message of a run that was stopped
         self.path.mkdir(parents=True, exist_ok=False)
-        self._exchanges = (self.path / "exchanges.jsonl").open("a", encoding="utf-8")
+        self._exchanges = self._guard("exchanges.jsonl", lambda: (self.path / "exchanges.jsonl").open("a"))
+
+    def _guard(self, name: str, write: Any) -> Any:
+        try:
+            return write()
+        except OSError as exc:
+            raise StorageError(
+                f"cannot write {self.path / name}: {exc.strerror or exc or type(exc).__name__}",
+                hint="free disk space or fix the folder's permissions, then re-run",
+            ) from exc
 
     def write_json(self, name: str, data: Any) -> Path:
+        text = self.redact(json.dumps(data, indent=2, sort_keys=True, default=str)) + "\n"
         target = self.path / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(target.suffix + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-        tmp.replace(target)
-        return target
+
+        def write() -> Path:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(target.suffix + ".tmp")
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(target)
+            return target
+
+        return self._guard(name, write)
 
     def write_text(self, name: str, text: str) -> Path:
         target = self.path / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text, encoding="utf-8")
-        return target
+
+        def write() -> Path:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(self.redact(text), encoding="utf-8")
+            return target
+
+        return self._guard(name, write)
+
+    def append_jsonl(self, name: str, record: Mapping[str, Any]) -> None:
+        """One line per call, flushed, for logs kept while the run goes on (retries, scrapes)."""
+        line = self.redact(json.dumps(dict(record), default=str)) + "\n"
+        target = self.path / name
+
+        def write() -> None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with target.open("a", encoding="utf-8") as f:
+                f.write(line)
+
+        self._guard(name, write)
 
     def record(self, exchange: Exchange) -> None:
         """Append as soon as an exchange completes, so an interrupted run loses nothing already recorded."""
-        self._exchanges.write(json.dumps(exchange.to_json(), default=str) + "\n")
-        self._exchanges.flush()
+        line = self.redact(json.dumps(exchange.to_json(), default=str)) + "\n"
+
+        def write() -> None:
+            self._exchanges.write(line)
+            self._exchanges.flush()
+            self.recorded += 1
+
+        self._guard("exchanges.jsonl", write)
 
     def write_replays(
-        self, base_urls: Mapping[str, str], exchanges: Iterable[Exchange], api_key_env: str
+        self,
+        base_urls: Mapping[str, str],
+        exchanges: Iterable[Exchange],
+        api_key_env: str,
+        key_file: str | None = None,
     ) -> list[Path]:
         written = []
         for e in exchanges:
             url = base_urls.get(e.arm)
             if url:
-                script = "#!/bin/sh\n" + curl_command(url, e, api_key_env) + "\n"
+                script = "#!/bin/sh\n" + curl_command(url, e, api_key_env, key_file) + "\n"
                 written.append(self.write_text(f"replay/{e.case_id}.sh", script))
         return written
 
     def copy_logs(self, log_dir: Path) -> None:
         if log_dir.is_dir():
-            shutil.copytree(log_dir, self.path / "servers", dirs_exist_ok=True)
+            self._guard("servers", lambda: shutil.copytree(log_dir, self.path / "servers", dirs_exist_ok=True))
 
     def close(self) -> None:
-        self._exchanges.close()
+        with contextlib.suppress(OSError):  # a full disk fails the last flush too; the verdict says StorageError
+            self._exchanges.close()
 
 
-def curl_command(base_url: str, exchange: Exchange, api_key_env: str) -> str:
-    """A ready-to-paste curl; the key is referenced as a shell variable, never written out."""
+def curl_command(base_url: str, exchange: Exchange, api_key_env: str, key_file: str | None = None) -> str:
+    """A ready-to-paste curl; the key is referenced as a shell variable (or read from its file when the run
+    used --api-key-file), never written out. Every other word is shell-quoted."""
+    check_env_name(api_key_env)  # the one unquoted word: `${NAME:-}` must stay a plain variable reference
     body = json.dumps(dict(exchange.request), separators=(",", ":"))
+    if key_file:
+        auth = f'"Authorization: Bearer $(cat {shlex.quote(key_file)})"'
+    else:
+        auth = f'"Authorization: Bearer ${{{api_key_env}:-}}"'
     parts = [
         "curl -sS",
         shlex.quote(f"{base_url.rstrip('/')}/v1/chat/completions"),
         "-H 'Content-Type: application/json'",
-        f"-H 'X-Blackbox-Case: {exchange.case_id}'",
-        f'-H "Authorization: Bearer ${{{api_key_env}:-}}"',
+        "-H",
+        shlex.quote(f"X-Blackbox-Case: {exchange.case_id}"),
+        "-H",
+        auth,
         "-d",
         shlex.quote(body),
     ]
@@ -106,22 +166,52 @@ def load_preflight(run_dir: Path) -> list[Finding]:
 
 
 def load_history(run_dir: Path) -> tuple[dict[str, Any], History]:
-    """Rebuild a run's config and History from its folder, so a run can be re-graded without the servers."""
+    """Rebuild a run's config and History from its folder, so a run can be re-graded without the servers.
+    A file that is cut short or malformed is a `UsageError` naming the file (and line), not a traceback."""
+    reading = _Reading(run_dir)
+    try:
+        return _load_history(run_dir, reading)
+    except (ValueError, LookupError, TypeError, AttributeError) as exc:
+        raise UsageError(
+            f"{reading.where()} is malformed ({type(exc).__name__}: {str(exc)[:160]}); was the run cut short "
+            "or the file edited?",
+            hint="re-run the command in command.txt to get a complete run folder",
+        ) from exc
+
+
+class _Reading:
+    """Which file (and line) load_history is on, for the message when one is malformed."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.file = "config.json"
+        self.line: int | None = None
+
+    def json(self, name: str) -> Any:
+        self.file, self.line = name, None
+        return json.loads((self.run_dir / name).read_text())
+
+    def where(self) -> str:
+        return str(self.run_dir / self.file) + (f" line {self.line}" if self.line else "")
+
+
+def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], History]:
     from blackbox.client import parse_chat
     from blackbox.history import History, Plan
-    from blackbox.metrics import MetricsDelta, parse
+    from blackbox.metrics import MetricsDelta, MetricsSnapshot, from_compact, parse
     from blackbox.race import RaceRound
 
-    config = json.loads((run_dir / "config.json").read_text())
-    geometry = json.loads((run_dir / "geometry.json").read_text())
+    config = reading.json("config.json")
+    geometry = reading.json("geometry.json")
     plans = [
         Plan(**{**p, "turn1_messages": tuple(p["turn1_messages"]), "probe_messages": tuple(p["probe_messages"])})
-        for p in (json.loads((run_dir / "plans.json").read_text()) if (run_dir / "plans.json").exists() else [])
+        for p in (reading.json("plans.json") if (run_dir / "plans.json").exists() else [])
     ]
-    race_file = run_dir / "race.json"
-    race = json.loads(race_file.read_text()) if race_file.exists() else {"rounds": [], "budget": None}
+    race = reading.json("race.json") if (run_dir / "race.json").exists() else {"rounds": [], "budget": None}
     exchanges = []
-    for line in (run_dir / "exchanges.jsonl").read_text().splitlines():
+    reading.file = "exchanges.jsonl"
+    for number, line in enumerate((run_dir / "exchanges.jsonl").read_text().splitlines(), 1):
+        reading.line = number
         e = json.loads(line)
         parsed = parse_chat(e["response"]) if e.get("response") else {}
         exchanges.append(
@@ -138,13 +228,27 @@ def load_history(run_dir: Path) -> tuple[dict[str, Any], History]:
             )
         )
 
-    def delta(before: Path, after: Path) -> MetricsDelta | None:
-        return MetricsDelta(parse(before.read_text()), parse(after.read_text())) if after.exists() else None
+    def delta(before: Path, after: Path, during: Sequence[MetricsSnapshot] = ()) -> MetricsDelta | None:
+        if not after.exists():
+            return None
+        reading.file, reading.line = str(before.relative_to(run_dir)), None
+        return MetricsDelta(parse(before.read_text()), parse(after.read_text()), tuple(during))
+
+    def scrapes(arm: str) -> list[MetricsSnapshot]:
+        path = run_dir / "metrics" / f"{arm}-scrapes.jsonl"
+        reading.file = str(path.relative_to(run_dir))
+        out = []
+        for number, line in enumerate(path.read_text().splitlines() if path.exists() else [], 1):
+            reading.line = number
+            record = json.loads(line)
+            if "error" not in record:
+                out.append(from_compact(record))
+        return out
 
     deltas = {}
     for before in sorted((run_dir / "metrics").glob("*-before.prom")):
         arm = before.name.removesuffix("-before.prom")
-        if (d := delta(before, before.with_name(f"{arm}-after.prom"))) is not None:
+        if (d := delta(before, before.with_name(f"{arm}-after.prom"), scrapes(arm))) is not None:
             deltas[arm] = d
     window = run_dir / "metrics" / "race-window"
     race_window = delta(window / "before.prom", window / "after.prom")
@@ -153,3 +257,14 @@ def load_history(run_dir: Path) -> tuple[dict[str, Any], History]:
         geometry["block_size"], tuple(plans), tuple(exchanges), deltas, rounds, race.get("budget"), race_window
     )
     return config, history
+
+
+def write_traceback(folder: Path, text: str, redact: Redactor, name: str = "traceback.txt") -> Path | None:
+    """Keep an internal error's traceback in the run folder, off the terminal; None if it cannot be written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / name
+        target.write_text(redact(text), encoding="utf-8")
+    except OSError:
+        return None
+    return target

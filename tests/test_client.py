@@ -163,7 +163,7 @@ async def test_connect_errors_are_retried_then_recorded() -> None:
         raise httpx.ConnectError("connection refused", request=request)
 
     e = await chat(refuse)
-    assert calls == 3
+    assert calls == client.ATTEMPTS
     assert not e.ok and "ConnectError" in e.error
     assert e.status_code is None
 
@@ -219,7 +219,10 @@ async def test_no_key_no_authorization_header() -> None:
 # --- readiness and discovery --------------------------------------------------------------------------------
 
 
-def server(models: Any = MODELS, health: int = 200, metrics_text: str = "") -> Handler:
+VLLM_METRICS = 'vllm:num_requests_running{engine="0"} 0.0\n'
+
+
+def server(models: Any = MODELS, health: int = 200, metrics_text: str = VLLM_METRICS) -> Handler:
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
             return httpx.Response(health)
@@ -246,8 +249,9 @@ async def test_ready_resolves_the_served_model() -> None:
 
 async def test_ready_names_the_fix_when_the_model_is_not_served() -> None:
     async with endpoint(server(), model="Qwen/Qwen3-Next-80B") as ep:
-        with pytest.raises(errors.EndpointError) as info:
+        with pytest.raises(errors.ConfigMismatch) as info:  # a configuration mismatch: exit 3, not 4
             await ep.ready()
+    assert info.value.exit_code == 3
     assert "does not serve model 'Qwen/Qwen3-Next-80B'" in str(info.value)
     assert "--model tiny" in info.value.hint
 
@@ -260,7 +264,7 @@ async def test_ready_with_no_model_served_is_an_endpoint_error() -> None:
 
 async def test_unhealthy_server_is_an_endpoint_error() -> None:
     async with endpoint(server(health=503)) as ep:
-        with pytest.raises(errors.EndpointError, match="/health: HTTP 503"):
+        with pytest.raises(errors.EndpointError, match="GET /health with HTTP 503"):
             await ep.ready()
 
 
@@ -271,7 +275,7 @@ async def test_connect_error_on_health_is_an_endpoint_error() -> None:
     async with endpoint(refuse) as ep:
         with pytest.raises(errors.EndpointError) as info:
             await ep.ready()
-    assert "http://server:8000/health" in str(info.value)
+    assert "treatment at http://server:8000: GET /health failed: ConnectError" in str(info.value)
     assert "ConnectError" in str(info.value)
     assert "is the server up" in info.value.hint
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from blackbox import errors, metrics
+
+import histories as h
 
 # What a vLLM 0.32 CPU server exposes, trimmed: counters come as `_total` with a `_created` gauge beside them,
 # every series carries engine/model_name labels, and the cache config is a gauge whose labels are the config.
@@ -155,3 +159,14 @@ def test_empty_text_has_no_counters() -> None:
     empty = metrics.parse("")
     assert empty.value(metrics.CACHE_HITS) is None
     assert metrics.MetricsDelta(empty, empty).value(metrics.CACHE_HITS) is None
+
+
+def test_scrapes_are_judged_in_time_order_not_list_order() -> None:
+    # Periodic scrapes go on while the settled `after` snapshot is read, so one taken later can precede it in the
+    # list; a counter that only grew must not read as a restart (seen on the CPU pair with process_cpu_seconds).
+    early = dataclasses.replace(h.snapshot({metrics.CACHE_HITS: 10}), at=66.0)
+    late = dataclasses.replace(h.snapshot({metrics.CACHE_HITS: 12}), at=68.0)
+    start = dataclasses.replace(h.snapshot({metrics.CACHE_HITS: 0}), at=1.0)
+    metrics.MetricsDelta(start, early, (start, late, early)).check_monotonic("treatment")
+    with pytest.raises(errors.CounterReset):
+        metrics.MetricsDelta(start, dataclasses.replace(early, at=70.0), (start, late)).check_monotonic("treatment")

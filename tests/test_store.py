@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from blackbox.errors import StorageError
 from blackbox.history import Arm, Exchange, Kind
 from blackbox.store import RunStore, curl_command, new_run_id
 
@@ -103,7 +104,7 @@ def test_write_json_is_atomic(run: RunStore, monkeypatch: pytest.MonkeyPatch) ->
         raise OSError("disk gone")
 
     monkeypatch.setattr(Path, "replace", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(StorageError, match=r"cannot write .*: disk gone"):  # its own class (exit 6), not a traceback
         run.write_json("verdict.json", {"status": "PASS", "figures": list(range(1000))})
     assert json.loads(target.read_text()) == {"status": "UNKNOWN"}  # the old file, whole
     monkeypatch.undo()
