@@ -180,6 +180,45 @@ def _probe_config(probe: str, urls: Mapping[str, str], conversations: int, seed:
     )
 
 
+def stored_outcome(version: str, run_dir: Path) -> Outcome:
+    """An Outcome re-read from a run folder's verdict.json (for --render)."""
+    data = json.loads((run_dir / "verdict.json").read_text())
+    probe, seed = run_dir.name.rsplit("-s", 1)
+    findings = [
+        Finding(f["check"], Status(f["status"]), f["reason"], {}, f.get("error_class"), f.get("hint", ""))
+        for f in data["findings"]
+    ]
+    verdict = Verdict(Status(data["status"]), data["reason"], data.get("error_class"), tuple(findings), 0)
+    return Outcome(
+        version,
+        probe,
+        int(seed),
+        data["status"] + (f" {data['error_class']}" if data.get("error_class") else ""),
+        first_failing(verdict),
+        figures(verdict),
+        tuple(f"{f.check}: {f.status.value} - {f.reason}" for f in findings),
+        float(data.get("elapsed_s") or 0.0),
+        run_dir,
+    )
+
+
+def stored_results(root: Path) -> dict[str, tuple[list[Outcome], str]]:
+    """Every version folder under a versions.py output folder, as `run_version` returned them."""
+    results = {}
+    for version_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        runs = sorted(version_dir.glob("*/*-s*/verdict.json"))
+        if not runs:
+            continue
+        found: list[str] = []
+        for log in sorted(version_dir.glob("*/servers-*/treatment.log")):
+            found += ADAPTATION.findall(log.read_text(errors="replace"))
+        outcomes = [stored_outcome(version_dir.name, r.parent) for r in runs]
+        order = {probe: i for i, probe in enumerate(PROBE_PROFILES)}
+        outcomes.sort(key=lambda o: (order.get(o.probe, 99), o.seed))
+        results[version_dir.name] = (outcomes, found[-1] if found else "no adaptation line in the treatment log")
+    return results
+
+
 def run_probe(
     version: str, probe: str, shared: Fleet, args: argparse.Namespace, out: Path, python: Path
 ) -> tuple[list[Outcome], str]:
@@ -277,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs") / "versions")
     parser.add_argument("--setup-only", action="store_true", help="build the venvs and stop")
     parser.add_argument("--write", type=Path, help="results file (default: print only)")
+    parser.add_argument("--render", type=Path, help="only rebuild the table from this earlier output folder")
     args = parser.parse_args(argv)
     versions = [v.strip() for v in args.versions.split(",") if v.strip()]
     args.seeds = [int(s) for s in args.seeds.split(",")]
@@ -289,6 +329,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for version in versions:
             ensure_venv(version, args.venvs, out_root / "setup.log")
         return 0
+    command = shlex.join(["python", "bench/versions.py", *(sys.argv[1:] if argv is None else argv)])
+    if args.render is not None:
+        write(args.write, render(stored_results(args.render), {}, command))
+        return 0
     results: dict[str, tuple[list[Outcome], str]] = {}
     errors: dict[str, str] = {}
     for version in versions:
@@ -298,15 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:  # one version's failure to start must not hide the others
             errors[version] = f"{type(exc).__name__}: {exc}"
             print(f"  {version}: {errors[version][:2000]}", flush=True)
-    command = shlex.join(["python", "bench/versions.py", *(sys.argv[1:] if argv is None else argv)])
-    text = render(results, errors, command)
-    print(text)
-    if args.write is not None:
-        args.write.parent.mkdir(parents=True, exist_ok=True)
-        old = args.write.read_text() if args.write.exists() else ""
-        # The hand-written reading of the table survives a re-run.
-        kept = old[old.index(READING) :] if READING in old else ""
-        args.write.write_text(text + ("\n" + kept if kept else ""))
+        write(args.write, render(results, errors, command))  # after each version: a cut-short run keeps rows
     (out_root / "results.json").parent.mkdir(parents=True, exist_ok=True)
     (out_root / "results.json").write_text(
         json.dumps(
@@ -315,6 +351,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     return 0
+
+
+def write(path: Path | None, text: str) -> None:
+    """Print the table and, with --write, put it in `path` above the kept hand-written reading."""
+    print(text)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        old = path.read_text() if path.exists() else ""
+        # The hand-written reading of the table survives a re-run.
+        kept = old[old.index(READING) :] if READING in old else ""
+        path.write_text(text + ("\n" + kept if kept else ""))
 
 
 if __name__ == "__main__":
