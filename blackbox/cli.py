@@ -104,7 +104,9 @@ def _parser() -> argparse.ArgumentParser:
         "per-request cached_tokens remain the trigger's ground truth",
     )
     r.add_argument(
-        "--api-key-env", help="name of the environment variable holding the API key (default BLACKBOX_API_KEY)"
+        "--api-key-env",
+        help="name of the environment variable holding the API key (default BLACKBOX_API_KEY; "
+        "a warning is printed when a variable named here is unset)",
     )
     r.add_argument("--api-key-file", help="read the API key from this file instead (one line)")
     _common(r)
@@ -204,8 +206,8 @@ async def _signalled(work: Coroutine[Any, Any, RunResult]) -> RunResult:
 
 def _run(args: argparse.Namespace) -> int:
     urls = {"treatment": args.treatment, "control": args.control, "reference": args.reference}
-    _check(args)
     config = _config(args, urls, args.model)
+    _check(args)
     _warn_key(config, named=args.api_key_env is not None)
     _Console.redact = Redactor(config.api_key)
     result = execute(config, args.out, ["blackbox", *sys.argv[1:]])
@@ -256,8 +258,9 @@ def _grade(args: argparse.Namespace) -> int:
         )
     data, history = load_history(args.run_dir)
     config = RunConfig.from_json(data)
+    preflight = load_preflight(args.run_dir)
     try:
-        verdict, grades = judge(history, config, load_preflight(args.run_dir))
+        verdict, grades = judge(history, config, preflight)
     except Exception as exc:
         text = "".join(traceback.format_exception(exc))
         kept = write_traceback(args.run_dir, text, Redactor(), "traceback-grade.txt")

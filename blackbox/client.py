@@ -25,6 +25,7 @@ from tenacity import AsyncRetrying, RetryCallState, wait_exponential
 from blackbox.errors import BlackboxError, ConfigMismatch, EndpointError
 from blackbox.history import Exchange, TokenLogprob
 from blackbox.metrics import MetricsSnapshot, combine, is_vllm, parse
+from blackbox.server_info import ServerInfo, server_info
 from blackbox.watch import Watch
 
 __all__ = ["ATTEMPTS", "RETRY_BUDGET_S", "Endpoint", "parse_chat"]
@@ -66,6 +67,7 @@ class Endpoint:
         self.watch = watch or Watch()
         self.key_source = key_source  # how the key is given, for the hint on a 401 (never the key)
         self.scrapes: list[MetricsSnapshot] = []  # every /metrics read, without its text, for restart detection
+        self._scrape_lock = asyncio.Lock()
         # Replicas behind a router: their /metrics summed stand for the one endpoint the requests go to.
         self.metrics_urls = tuple(metrics_urls)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -113,28 +115,34 @@ class Endpoint:
 
     async def metrics(self) -> MetricsSnapshot:
         """Parse /metrics (summed over `metrics_urls` when given), keep a text-less copy in `scrapes` and report
-        it to the watch (scrapes.jsonl)."""
+        it to the watch (scrapes.jsonl). One scrape at a time per server, so `scrapes` is in the order of the
+        states it shows (periodic scrapes go on while the settled one is read)."""
+        async with self._scrape_lock:
+            return await self._scrape()
+
+    async def _scrape(self) -> MetricsSnapshot:
+        # A /metrics that answered before and now 404s is gone mid-run (EndpointError); one that never answered
+        # means this is not a vLLM server (ConfigMismatch, like any first 404).
+        gone = self._metrics_gone_hint() if self.scrapes else ""
         try:
-            pages = [
-                (await self._get(path, missing_hint=self._metrics_gone_hint()), path)
-                for path in (self.metrics_urls or ("/metrics",))
-            ]
-            # When the page arrived, not when it was asked for: two scrapes in flight at once are ordered by
-            # the state they show.
-            at = self.watch.since_start()
+            pages = [(await self._get(path, missing_hint=gone), path) for path in (self.metrics_urls or ("/metrics",))]
+            at = self.watch.since_start()  # when the page arrived
             snaps = [parse(r.text, source=f"{self.where}{p}" if p.startswith("/") else p, at=at) for r, p in pages]
             snap = snaps[0] if len(snaps) == 1 else combine(snaps)
         except BlackboxError as exc:
             self.watch.on_scrape(self.arm, {"at": round(self.watch.since_start(), 3), "error": exc.message})
             raise
+        changed = not self.scrapes or self.scrapes[-1].created != snap.created
         self.scrapes.append(dataclasses.replace(snap, text="", info={}))
-        self.watch.on_scrape(self.arm, snap.compact())
+        self.watch.on_scrape(self.arm, snap.compact(with_created=changed))
         return snap
 
     def _metrics_gone_hint(self) -> str:
-        if self.scrapes:
-            return "/metrics answered earlier in this run: did the server restart or get replaced mid-run?"
-        return "is this a vLLM server? its /metrics page should list vllm:* counters"
+        return "/metrics answered earlier in this run: did the server restart or get replaced mid-run?"
+
+    async def info(self, snapshot: MetricsSnapshot | None = None) -> ServerInfo:
+        """Its vLLM release and the cache settings it tells (never raises: what it hides becomes a note)."""
+        return await server_info(self._http, snapshot)
 
     async def count_tokens(self, messages: Sequence[Mapping[str, str]], *, generation_prompt: bool = True) -> int:
         body = {"model": self.model, "messages": list(messages), "add_generation_prompt": generation_prompt}
@@ -230,6 +238,7 @@ class Endpoint:
             wait=_wait,
             before_sleep=lambda state: record(state, wait_s=round(_wait(state), 3)),
             retry_error_callback=give_up,
+            sleep=lambda seconds: _sleep(seconds),
         )
         with self.watch.waiting(f"{self.arm} ({self.base_url})", what, limit):
             result: httpx.Response = await retrying(
@@ -243,7 +252,7 @@ class Endpoint:
         except httpx.HTTPError as exc:
             raise EndpointError(
                 self._transport_message(exc, f"GET {path}", min(self.timeout_s, CONTROL_TIMEOUT_S)),
-                hint="is the server up and the URL right?",
+                hint=_transport_hint(exc),
             ) from exc
         if response.status_code != 200:
             self._raise_status(response, f"GET {path}", missing_hint)
@@ -258,7 +267,7 @@ class Endpoint:
         except httpx.HTTPError as exc:
             raise EndpointError(
                 self._transport_message(exc, f"POST {path}", min(self.timeout_s, CONTROL_TIMEOUT_S)),
-                hint="is the server up and the URL right?",
+                hint=_transport_hint(exc),
             ) from exc
         if response.status_code != 200:
             self._raise_status(response, f"POST {path}")
@@ -316,6 +325,16 @@ class Endpoint:
             f"{self.where} answered {what} with a body that is not JSON, maybe truncated "
             f"({type(exc).__name__}; {len(response.content)} bytes): {self._snippet(response.text)}"
         )
+
+
+def _transport_hint(exc: httpx.HTTPError) -> str:
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return "the server took the connection but did not answer: check its log (stuck, overloaded, still loading?)"
+    return "is the server up and the URL right?"
+
+
+async def _sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)  # looked up per call, so tests can take the wait out
 
 
 def _retryable(state: RetryCallState) -> bool:

@@ -110,6 +110,8 @@ def _check_reliability(config: RunConfig) -> None:
         url = getattr(config, name)
         if url is not None:
             inputs.check_url(f"--{name}", url)
+    for url in config.treatment_metrics:
+        inputs.check_url("--treatment-metrics", url, root=False)
     inputs.positive("--request-timeout", config.timeout_s, minimum=0.1)
     inputs.positive("--deadline", config.deadline_s, minimum=1)
     inputs.positive("--heartbeat", config.heartbeat_s, minimum=0.1)

@@ -121,6 +121,8 @@ async def _drive(
     before = {arm: await e.metrics() for arm, e in endpoints.items()}
     for arm, snap in before.items():
         store.write_text(f"metrics/{arm}-before.prom", snap.text)
+    infos = {arm: await e.info(before[arm]) for arm, e in endpoints.items()}
+    store.write_json("servers.json", {arm: info.to_json() for arm, info in infos.items()})
     salt = f"blackbox-{store.path.name}"
     facts = {arm: await comparability.gather(e, before[arm], salt, store.record) for arm, e in endpoints.items()}
     preflight = comparability.check(facts, config.grading.hard_margin)
@@ -162,6 +164,7 @@ async def _drive(
         tuple(rounds),
         config.max_num_batched_tokens,
         race_window,
+        infos[Arm.TREATMENT],
     )
     return history, geo, preflight
 
@@ -289,8 +292,9 @@ def _write_replays(
 ) -> None:
     flagged: set[int] = set()
     for f in verdict.findings:
-        for m in f.figures.get("mismatches", ()) or ():
-            flagged.add(int(m.get("conversation", m.get("round", -1))))
+        if f.status is Status.PASS:
+            continue  # a PASS lists nothing to replay; the first conversation is kept as an example below
+        flagged.update(int(m["unit"]) for m in f.figures.get("mismatches", ()) or ())
         flagged.update(int(c) for c in f.figures.get("forward_flips", ()) or ())
     flagged = flagged or {p.index for p in history.plans[:1]} or {r.index for r in history.races[:1]}
     store.write_replays(urls, (e for e in history.exchanges if e.conversation in flagged), key_env, key_file)

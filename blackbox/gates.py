@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from blackbox import errors, metrics, race
 from blackbox.config import Grading
 from blackbox.history import Arm, History, Kind, Plan
+from blackbox.server_info import trigger_hint
 from blackbox.verdict import Finding
 
 __all__ = ["all_gates", "decode_region_hits", "in_decode_region", "in_prefill_region", "reaches_decode_region"]
@@ -159,7 +160,9 @@ def trigger(history: History, grading: Grading) -> Finding:
             errors.TriggerNotExercised(
                 f"only {len(hits)} of {len(plans)} turn-2 hits reached a block written during decode (need {need}); "
                 "a hit must end past turn 1's prompt",
-                hint="keep decode-written checkpoints (--prefix-cache-retention-interval None on vLLM >= 0.32), "
+                hint=_known(history)
+                + "keep decode-written checkpoints (--prefix-cache-retention-interval None on vLLM >= 0.29, "
+                "VLLM_PREFIX_CACHE_RETENTION_INTERVAL unset before), "
                 "check --block-size, or raise --answer-blocks",
             ),
             **figures,
@@ -167,6 +170,12 @@ def trigger(history: History, grading: Grading) -> Finding:
     return Finding.passed(
         "trigger", f"{len(hits)} of {len(plans)} turn-2 hits reached decode-written blocks", **figures
     )
+
+
+def _known(history: History) -> str:
+    """What the treatment's own release and settings explain, first in a hint."""
+    said = trigger_hint(history.treatment_info) if history.treatment_info is not None else ""
+    return f"{said}; otherwise: " if said else ""
 
 
 def drafter_live(history: History) -> Finding:

@@ -13,6 +13,7 @@ from blackbox.metrics import MetricsDelta
 
 if TYPE_CHECKING:
     from blackbox.race import RaceRound
+    from blackbox.server_info import ServerInfo
 
 __all__ = ["Arm", "Exchange", "History", "Kind", "Plan", "TokenLogprob"]
 
@@ -121,6 +122,7 @@ class History:
     races: tuple[RaceRound, ...] = ()  # cold-race rounds, when that probe ran
     step_budget: int | None = None  # the treatment's max_num_batched_tokens, when stated
     race_window: MetricsDelta | None = None  # the treatment's counters over the cold race alone
+    treatment_info: ServerInfo | None = None  # its vLLM release and cache settings, for the trigger's hint
 
     def get(self, conversation: int, arm: str, kind: str) -> Exchange | None:
         return self._index.get((conversation, arm, kind))

@@ -20,8 +20,9 @@ __all__ = ["check_out_dir", "check_url", "positive", "probability"]
 _HELP = "see `blackbox run --help`"
 
 
-def check_url(flag: str, url: str) -> str:
-    """An http(s) URL of a server root with a host and a valid port; returns it without a trailing slash."""
+def check_url(flag: str, url: str, *, root: bool = True) -> str:
+    """An http(s) URL with a host and a valid port, of a server root unless `root` is False (a /metrics URL);
+    returns it without a trailing slash."""
     example = "e.g. http://127.0.0.1:8000"
     try:
         parts = urlsplit(url)
@@ -43,11 +44,11 @@ def check_url(flag: str, url: str) -> str:
     if parts.query or parts.fragment:
         raise UsageError(f"{flag} {url!r} must not have a query or fragment", hint=example)
     path = parts.path.rstrip("/")
-    if path.endswith("/v1"):
-        root = url[: url.rstrip("/").rfind("/v1")]
+    if root and path.endswith("/v1"):
+        server_root = url[: url.rstrip("/").rfind("/v1")]
         raise UsageError(
             f"{flag} {url!r} ends in /v1, but blackbox adds /v1/chat/completions itself",
-            hint=f"pass the server root: {flag} {root}",
+            hint=f"pass the server root: {flag} {server_root}",
         )
     return url.rstrip("/")
 

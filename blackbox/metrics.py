@@ -4,7 +4,7 @@ vLLM updates counters after the response is sent, so a delta is read only once t
 A restart mid-run is `CounterReset`, never a zero delta: a counter that went backwards between any two scrapes
 (blackbox scrapes during the run too, so a restarted server that grew past its old values is still caught), a
 changed `*_created` timestamp, or a changed `process_start_time_seconds`. Series without a `# TYPE` line count as
-counters when named `*_total`; histogram `_count` and `_bucket` series are counters too.
+counters when named `*_total`; a histogram's `_count` is a counter too.
 """
 
 from __future__ import annotations
@@ -56,15 +56,14 @@ class MetricsSnapshot:
     created: Mapping[tuple[str, Labels], float] = field(default_factory=dict)  # `*_created`: when a series began
     at: float = 0.0  # seconds since the run's first scrape, for messages; 0 when not known
 
-    def compact(self) -> dict[str, Any]:
-        """What restart detection needs, for `metrics/<arm>-scrapes.jsonl`: counters, created, start time."""
+    def compact(self, with_created: bool = True) -> dict[str, Any]:
+        """What restart detection needs, for `metrics/<arm>-scrapes.jsonl`: counters and start time, and the
+        `_created` stamps when asked (they rarely change: a scrape without them keeps the previous ones)."""
         keep = [[n, dict(ls), v] for (n, ls), v in self.samples.items() if n in self.counters or n == START_TIME]
-        return {
-            "at": round(self.at, 3),
-            "counters": sorted(self.counters),
-            "samples": keep,
-            "created": [[n, dict(ls), v] for (n, ls), v in self.created.items()],
-        }
+        out: dict[str, Any] = {"at": round(self.at, 3), "counters": sorted(self.counters), "samples": keep}
+        if with_created:
+            out["created"] = [[n, dict(ls), v] for (n, ls), v in self.created.items()]
+        return out
 
     def value(self, name: str, **labels: str) -> float | None:
         """Sum over every series of `name` whose labels include `labels`; None when absent."""
@@ -103,8 +102,11 @@ class MetricsDelta:
     during: Sequence[MetricsSnapshot] = ()  # every scrape taken between (and around) the two, in order
 
     def check_monotonic(self, arm: str) -> None:
-        # In time order: periodic scrapes go on while the settled `after` is read, so list order is not time order.
-        found = restarts(sorted([self.before, *self.during, self.after], key=lambda snap: snap.at))
+        # Every scrape in time order, stamped when its page arrived (`before` and `after` are among them, and
+        # periodic scrapes go on while `after` is read, so list order is not time order). A run folder re-read
+        # without its scrapes file has only the two .prom files, which carry no time.
+        timeline = sorted(self.during, key=lambda snap: snap.at) if self.during else [self.before, self.after]
+        found = restarts(timeline)
         if found:
             raise CounterReset(
                 f"{arm}: {found[0]}: the server restarted mid-run"
@@ -180,7 +182,7 @@ def parse(text: str, source: str = "/metrics", at: float = 0.0) -> MetricsSnapsh
                 continue
             if family.type == "unknown" and s.name.endswith("_total"):
                 counters.add(s.name.removesuffix("_total"))
-            if family.type == "histogram" and s.name.endswith(("_count", "_bucket")):
+            if family.type == "histogram" and s.name.endswith("_count"):  # buckets move with it; kept out of scrapes
                 counters.add(s.name)
             samples[(s.name.removesuffix("_total"), key[1])] = float(s.value)
             if family.type in ("info", "gauge", "unknown") and s.name.endswith("_info"):
@@ -188,7 +190,9 @@ def parse(text: str, source: str = "/metrics", at: float = 0.0) -> MetricsSnapsh
     return MetricsSnapshot(samples, info, frozenset(counters), text, created, at)
 
 
-def from_compact(data: Mapping[str, Any]) -> MetricsSnapshot:
+def from_compact(data: Mapping[str, Any], previous: MetricsSnapshot | None = None) -> MetricsSnapshot:
+    """A scrape line back into a snapshot; without `created` it keeps `previous`'s."""
+
     def keyed(rows: Sequence[Sequence[Any]]) -> dict[tuple[str, Labels], float]:
         return {(str(n), tuple(sorted(dict(ls).items()))): float(v) for n, ls, v in rows}
 
@@ -197,6 +201,6 @@ def from_compact(data: Mapping[str, Any]) -> MetricsSnapshot:
         {},
         frozenset(data.get("counters", [])),
         "",
-        keyed(data.get("created", [])),
+        keyed(data["created"]) if "created" in data else dict(previous.created if previous else {}),
         float(data.get("at", 0.0)),
     )

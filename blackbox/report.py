@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Mapping
@@ -27,6 +28,12 @@ def summary(result: RunResult) -> str:
     by_check = {f.check: f for f in v.findings}
     lines = [f"blackbox: {v.status.value}" + (f" ({v.error_class})" if v.error_class else "")]
     cache, trig, draft = _fig(by_check, "cache-live"), _fig(by_check, "trigger"), _fig(by_check, "drafter-live")
+    arms = result.history.arms() if result.history else set()
+    if arms and "control" not in arms:
+        lines.append(
+            "  mode            single endpoint: the control is the treatment's own no-reuse answers; recall grades "
+            "them, logprob and exactness need --reference"
+        )
     if result.geometry:
         lines.append(
             f"  geometry        block {result.geometry.block_size} tokens "
@@ -88,10 +95,26 @@ def summary(result: RunResult) -> str:
         lines.append(f"  [{mark}] {f.check}: {f.reason}")
         if f.hint and f.status is not Status.PASS:
             lines.append(f"         -> {f.hint}")
+    lines.extend(_run_notes(result))
     lines.append("")
     lines.append(f"verdict: {v.status.value} — {v.reason}")
     lines.append(f"run folder: {result.store_path} ({result.elapsed_s:.0f} s); exit code {v.exit_code}")
     return "\n".join(lines)
+
+
+def _run_notes(result: RunResult) -> list[str]:
+    """Retries and an internal error's traceback live in the run folder; the summary says where."""
+    notes = []
+    retries = result.store_path / "retries.jsonl"
+    if retries.is_file():
+        records = [json.loads(line) for line in retries.read_text().splitlines() if line.strip()]
+        gave_up = sum(1 for r in records if r.get("gave_up"))
+        retried = len(records) - gave_up
+        notes.append(f"  retries: {retried} retried, {gave_up} given up (see {retries})")
+    trace = result.store_path / "traceback.txt"
+    if trace.is_file():
+        notes.append(f"  traceback: {trace}")
+    return notes
 
 
 class ProgressLine:

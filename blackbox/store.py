@@ -162,7 +162,13 @@ def load_preflight(run_dir: Path) -> list[Finding]:
     path = run_dir / "preflight.json"
     if not path.exists():
         return [Finding.from_error("preflight", NoEvidence(f"{path} is missing: the roles were never checked"))]
-    return [Finding.from_json(f) for f in json.loads(path.read_text())]
+    try:
+        return [Finding.from_json(f) for f in json.loads(path.read_text())]
+    except (ValueError, LookupError, TypeError, AttributeError) as exc:
+        raise UsageError(
+            f"{path} is malformed ({type(exc).__name__}: {str(exc)[:160]}); was the run cut short or the file edited?",
+            hint="re-run the command in command.txt to get a complete run folder",
+        ) from exc
 
 
 def load_history(run_dir: Path) -> tuple[dict[str, Any], History]:
@@ -200,6 +206,7 @@ def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], His
     from blackbox.history import History, Plan
     from blackbox.metrics import MetricsDelta, MetricsSnapshot, from_compact, parse
     from blackbox.race import RaceRound
+    from blackbox.server_info import ServerInfo
 
     config = reading.json("config.json")
     geometry = reading.json("geometry.json")
@@ -237,12 +244,12 @@ def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], His
     def scrapes(arm: str) -> list[MetricsSnapshot]:
         path = run_dir / "metrics" / f"{arm}-scrapes.jsonl"
         reading.file = str(path.relative_to(run_dir))
-        out = []
+        out: list[MetricsSnapshot] = []
         for number, line in enumerate(path.read_text().splitlines() if path.exists() else [], 1):
             reading.line = number
             record = json.loads(line)
             if "error" not in record:
-                out.append(from_compact(record))
+                out.append(from_compact(record, out[-1] if out else None))
         return out
 
     deltas = {}
@@ -253,8 +260,17 @@ def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], His
     window = run_dir / "metrics" / "race-window"
     race_window = delta(window / "before.prom", window / "after.prom")
     rounds = tuple(RaceRound(**r) for r in race["rounds"])
+    servers = run_dir / "servers.json"
+    info = json.loads(servers.read_text()).get("treatment") if servers.exists() else None
     history = History(
-        geometry["block_size"], tuple(plans), tuple(exchanges), deltas, rounds, race.get("budget"), race_window
+        geometry["block_size"],
+        tuple(plans),
+        tuple(exchanges),
+        deltas,
+        rounds,
+        race.get("budget"),
+        race_window,
+        ServerInfo.from_json(info) if info else None,
     )
     return config, history
 

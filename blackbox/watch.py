@@ -112,5 +112,10 @@ class Watch:
             await asyncio.sleep(self.scrape_s)
             # A failed scrape is recorded and the run goes on: the settled scrape at the end decides whether
             # /metrics is gone for good, and a restart shows in the next scrape that succeeds.
-            with contextlib.suppress(BlackboxError):
+            try:
                 await endpoint.metrics()
+            except BlackboxError:
+                pass  # the endpoint recorded it
+            except Exception as exc:  # never let the scrapes stop silently
+                error = self.redact(f"{type(exc).__name__}: {exc}")[:200]
+                self.on_scrape(endpoint.arm, {"at": round(self.since_start(), 3), "error": error})

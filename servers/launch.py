@@ -31,7 +31,7 @@ import httpx
 import psutil
 
 from blackbox import errors
-from servers.profiles import PROFILES, ROLES, ServerSpec, build_specs
+from servers.profiles import PROFILES, ROLES, ServerSpec, build_specs, shares_a_gpu
 
 __all__ = ["Fleet", "ServerStartError", "Shutdown", "log_tail", "main", "port_free"]
 
@@ -140,20 +140,27 @@ class Fleet:
     def pids(self) -> dict[str, int]:
         return {role: s.proc.pid for role, s in self._servers.items()}
 
-    def start(self, timeout_s: float = 600) -> None:
+    def start(self, timeout_s: float = 600, one_by_one: bool | None = None) -> None:
         """Start every server and return once each answers /health and lists its model.
 
-        Raises ServerStartError (after stopping everything) if a port is taken, a server exits, or
-        `timeout_s` passes first.
+        `one_by_one` starts each server once the one before it is ready; the default does so exactly when
+        two servers share a GPU (vLLM sizes its KV cache from the memory free while it profiles, which a
+        neighbour starting at the same time would change). Raises ServerStartError (after stopping
+        everything) if a port is taken, a server exits, or `timeout_s` (for the whole fleet) passes first.
         """
         self._check_ports()
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        sequential = shares_a_gpu(self.specs) if one_by_one is None else one_by_one
+        deadline = time.monotonic() + timeout_s
         try:
-            for spec in self.specs:
-                self._spawn(spec)
-            self._write_pids()
-            self._start_sampler()
-            self._wait_ready(timeout_s)
+            waves = [[spec] for spec in self.specs] if sequential else [self.specs]
+            for wave in waves:
+                for spec in wave:
+                    self._spawn(spec)
+                self._write_pids()
+                if self._sampler is None:
+                    self._start_sampler()
+                self._wait_ready(timeout_s, deadline, [spec.role for spec in wave])
         except BaseException:
             self.stop()
             raise
@@ -263,9 +270,8 @@ class Fleet:
         }
         (self.log_dir / "pids.json").write_text(json.dumps(record, indent=2) + "\n")
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        pending = dict(self._servers)
+    def _wait_ready(self, timeout_s: float, deadline: float, roles: Sequence[str]) -> None:
+        pending = {role: self._servers[role] for role in roles}
         with httpx.Client(timeout=httpx.Timeout(5.0)) as client:
             while pending:
                 for role, server in list(pending.items()):
@@ -389,6 +395,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", type=Path)
     p.add_argument("--cache-dir", type=Path)
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for every server")
+    p.add_argument(
+        "--one-by-one",
+        action="store_true",
+        help="start each server once the previous one is ready (the default when servers share a GPU)",
+    )
     return p
 
 
@@ -417,14 +428,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
-    return _serve(Fleet(specs, log_dir), args.timeout)
+    return _serve(Fleet(specs, log_dir), args.timeout, True if args.one_by_one else None)
 
 
-def _serve(fleet: Fleet, timeout_s: float) -> int:
+def _serve(fleet: Fleet, timeout_s: float, one_by_one: bool | None = None) -> int:
     try:
         with fleet.handle_signals(), fleet:  # handlers stay while fleet.__exit__ stops
             print(f"starting {', '.join(fleet.urls)}; logs in {fleet.log_dir}", flush=True)
-            fleet.start(timeout_s)
+            fleet.start(timeout_s, one_by_one)
             rss = fleet.rss_bytes()
             for role, url in fleet.urls.items():
                 up, gib = fleet.startup_s[role], rss[role] / 2**30

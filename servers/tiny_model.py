@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,17 @@ import numpy as np
 
 from blackbox.vocabulary import WORDS as BLACKBOX_WORDS
 
-__all__ = ["SPECIAL_TOKENS", "VERSION", "WORDS", "build_tiny_model", "main", "successor"]
+__all__ = [
+    "GPU_GEOMETRY",
+    "SPECIAL_TOKENS",
+    "VARIANTS",
+    "VERSION",
+    "WORDS",
+    "GdnGeometry",
+    "build_tiny_model",
+    "main",
+    "successor",
+]
 
 VERSION = "2"
 
@@ -49,6 +60,36 @@ MAX_POSITIONS = 8192
 
 # Per-token decay of each GDN value head at a = 0, by GDN layer; a is kept near 0 (see _gdn_layer).
 GDN_DECAYS = ((0.97, 0.985), (0.98, 0.99))
+
+
+@dataclass(frozen=True)
+class GdnGeometry:
+    """The Gated DeltaNet shapes, which set the recurrent state size and so vLLM's hybrid block size."""
+
+    k_heads: int
+    v_heads: int
+    head_dim: int
+
+    @property
+    def v_per_k(self) -> int:
+        return self.v_heads // self.k_heads
+
+    def decays(self, layer: int) -> tuple[float, ...]:
+        """Per-value-head decays of GDN layer `layer`, spread evenly over the layer's planted range."""
+        low, high = GDN_DECAYS[layer]
+        if self.v_heads == len(GDN_DECAYS[layer]):
+            return GDN_DECAYS[layer]
+        return tuple(float(d) for d in np.linspace(low, high, self.v_heads))
+
+
+CPU_GEOMETRY = GdnGeometry(LINEAR_K_HEADS, LINEAR_V_HEADS, LINEAR_HEAD_DIM)
+# vLLM 0.26's CUDA path for Qwen3-Next (fix_query_key_value_ordering) reshapes the interleaved b/a projection
+# into a view whose last stride is v_heads/k_heads: with equal head counts the decode kernel rejects it
+# ("a/b must be contiguous in the last dim"). Real checkpoints have twice as many value heads as key heads,
+# and so does this variant; head_dim 128 (as in real models) makes the state 16x larger than the CPU
+# model's, so the hybrid block size is in the hundreds like a real model's instead of 48.
+GPU_GEOMETRY = GdnGeometry(k_heads=2, v_heads=4, head_dim=128)
+VARIANTS: dict[str, GdnGeometry] = {"cpu": CPU_GEOMETRY, "gpu": GPU_GEOMETRY}
 GDN_DT_BIAS = -3.0
 # Output RMS of each mixer, relative to the embedding's RMS of 1. Measured with the transformers reference in
 # fp32 over seeds 0-2: greedy outputs follow f at 82-89% of positions, no loops over 800 tokens; served by vLLM
@@ -119,16 +160,23 @@ def successor(seed: int) -> np.ndarray:
     return f
 
 
-def build_tiny_model(cache_dir: Path, seed: int = 0) -> Path:
-    """Build (or reuse) the model folder `cache_dir/tiny-qwen3next-s{seed}-v{VERSION}` and return its path."""
+def build_tiny_model(cache_dir: Path, seed: int = 0, variant: str = "cpu") -> Path:
+    """Build (or reuse) the model folder `cache_dir/tiny-qwen3next-s{seed}-v{VERSION}` and return its path.
+
+    `variant` "gpu" builds `tiny-qwen3next-gpu-s{seed}-v{VERSION}` with GPU_GEOMETRY; "cpu" is the default model.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown tiny-model variant {variant!r}: use one of {', '.join(VARIANTS)}")
+    geometry = VARIANTS[variant]
     cache_dir = Path(cache_dir)
-    target = cache_dir / f"tiny-qwen3next-s{seed}-v{VERSION}"
+    infix = "" if variant == "cpu" else f"{variant}-"
+    target = cache_dir / f"tiny-qwen3next-{infix}s{seed}-v{VERSION}"
     if _is_complete(target):
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
     try:
-        _write_model(staging, seed)
+        _write_model(staging, seed, geometry)
         for path in (staging, *staging.iterdir()):
             path.chmod(0o755 if path.is_dir() else 0o644)
         try:
@@ -156,15 +204,15 @@ def _is_complete(folder: Path) -> bool:
     return all((folder / name).is_file() for name in _FILES)
 
 
-def _write_model(folder: Path, seed: int) -> None:
+def _write_model(folder: Path, seed: int, geometry: GdnGeometry) -> None:
     from safetensors.torch import save_file
 
-    _write_json(folder / "config.json", _config())
+    _write_json(folder / "config.json", _config(geometry))
     _write_json(folder / "generation_config.json", _generation_config())
     _write_json(folder / "special_tokens_map.json", _special_tokens_map())
     _write_json(folder / "tokenizer_config.json", _tokenizer_config())
     _write_json(folder / "tokenizer.json", json.loads(_tokenizer().to_str()))
-    save_file(_tensors(seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_tensors(seed, geometry), str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -175,7 +223,7 @@ def _token_id(token: str) -> int:
     return SPECIAL_TOKENS.index(token)
 
 
-def _config() -> dict[str, Any]:
+def _config(geometry: GdnGeometry = CPU_GEOMETRY) -> dict[str, Any]:
     return {
         "architectures": ["Qwen3NextForCausalLM"],
         "model_type": "qwen3_next",
@@ -195,10 +243,10 @@ def _config() -> dict[str, Any]:
         "rope_scaling": None,
         "max_position_embeddings": MAX_POSITIONS,
         "linear_conv_kernel_dim": CONV_KERNEL,
-        "linear_key_head_dim": LINEAR_HEAD_DIM,
-        "linear_value_head_dim": LINEAR_HEAD_DIM,
-        "linear_num_key_heads": LINEAR_K_HEADS,
-        "linear_num_value_heads": LINEAR_V_HEADS,
+        "linear_key_head_dim": geometry.head_dim,
+        "linear_value_head_dim": geometry.head_dim,
+        "linear_num_key_heads": geometry.k_heads,
+        "linear_num_value_heads": geometry.v_heads,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "num_experts": NUM_EXPERTS,
@@ -294,7 +342,7 @@ class _Init:
         return self.normal(name, (out_dim, in_dim), out_rms / (in_rms * math.sqrt(in_dim)))
 
 
-def _tensors(seed: int) -> dict[str, Any]:
+def _tensors(seed: int, geometry: GdnGeometry = CPU_GEOMETRY) -> dict[str, Any]:
     import torch
 
     init = _Init(seed)
@@ -310,7 +358,7 @@ def _tensors(seed: int) -> dict[str, Any]:
         prefix = f"model.layers.{i}"
         arrays.update(_norms(prefix))
         if layer_type == "linear_attention":
-            arrays.update(_gdn_layer(init, f"{prefix}.linear_attn", GDN_DECAYS[gdn_index]))
+            arrays.update(_gdn_layer(init, f"{prefix}.linear_attn", geometry.decays(gdn_index), geometry))
             gdn_index += 1
         else:
             arrays.update(_attention_layer(init, f"{prefix}.self_attn", ATTN_PUSH))
@@ -342,35 +390,37 @@ def _norms(prefix: str) -> dict[str, np.ndarray]:
     }
 
 
-def _gdn_layer(init: _Init, prefix: str, decays: Sequence[float]) -> dict[str, np.ndarray]:
-    key_dim = LINEAR_K_HEADS * LINEAR_HEAD_DIM
-    v_per_k = LINEAR_V_HEADS // LINEAR_K_HEADS
+def _gdn_layer(
+    init: _Init, prefix: str, decays: Sequence[float], geometry: GdnGeometry = CPU_GEOMETRY
+) -> dict[str, np.ndarray]:
+    hd, v_heads = geometry.head_dim, geometry.v_heads
+    key_dim = geometry.k_heads * hd
+    v_per_k = geometry.v_per_k
     q = init.linear(f"{prefix}.q", key_dim, HIDDEN, 1.0)
     k = init.linear(f"{prefix}.k", key_dim, HIDDEN, 1.0)
-    v = init.linear(f"{prefix}.v", LINEAR_V_HEADS * LINEAR_HEAD_DIM, HIDDEN, 1.0)
-    z = init.linear(f"{prefix}.z", LINEAR_V_HEADS * LINEAR_HEAD_DIM, HIDDEN, 1.0)
-    b = init.linear(f"{prefix}.b", LINEAR_V_HEADS, HIDDEN, 1.0)
+    v = init.linear(f"{prefix}.v", v_heads * hd, HIDDEN, 1.0)
+    z = init.linear(f"{prefix}.z", v_heads * hd, HIDDEN, 1.0)
+    b = init.linear(f"{prefix}.b", v_heads, HIDDEN, 1.0)
     # Tiny `a` rows keep softplus(a + dt_bias) near softplus(dt_bias) for any input, so the decay stays planted.
-    a = init.linear(f"{prefix}.a", LINEAR_V_HEADS, HIDDEN, 0.02)
+    a = init.linear(f"{prefix}.a", v_heads, HIDDEN, 0.02)
     # Checkpoint layout (gqa interleaved): per key-head group g, rows [q_g, k_g, v_g, z_g] and [b_g, a_g].
     qkvz, ba = [], []
-    hd = LINEAR_HEAD_DIM
-    for g in range(LINEAR_K_HEADS):
+    for g in range(geometry.k_heads):
         vs = slice(g * v_per_k * hd, (g + 1) * v_per_k * hd)
         qkvz += [q[g * hd : (g + 1) * hd], k[g * hd : (g + 1) * hd], v[vs], z[vs]]
         ba += [b[g * v_per_k : (g + 1) * v_per_k], a[g * v_per_k : (g + 1) * v_per_k]]
-    conv_dim = 2 * key_dim + LINEAR_V_HEADS * hd
+    conv_dim = 2 * key_dim + v_heads * hd
     conv = init.normal(f"{prefix}.conv1d", (conv_dim, 1, CONV_KERNEL), 0.3)
     conv[:, 0, -1] += 1.0  # mostly the current token, blurred by the previous three
     softplus_dt = math.log1p(math.exp(GDN_DT_BIAS))
     a_log = [math.log(-math.log(d) / softplus_dt) for d in decays]
     # The gated RMSNorm output has RMS ~ rms(silu(z)) ~ 0.6 for z ~ N(0, 1).
-    out = init.linear(f"{prefix}.out_proj", HIDDEN, LINEAR_V_HEADS * hd, GDN_PUSH, in_rms=0.6)
+    out = init.linear(f"{prefix}.out_proj", HIDDEN, v_heads * hd, GDN_PUSH, in_rms=0.6)
     return {
         f"{prefix}.in_proj_qkvz.weight": np.concatenate(qkvz),
         f"{prefix}.in_proj_ba.weight": np.concatenate(ba),
         f"{prefix}.conv1d.weight": conv,
-        f"{prefix}.dt_bias": np.full(LINEAR_V_HEADS, GDN_DT_BIAS, np.float32),
+        f"{prefix}.dt_bias": np.full(v_heads, GDN_DT_BIAS, np.float32),
         f"{prefix}.A_log": np.asarray(a_log, np.float32),
         f"{prefix}.norm.weight": np.ones(hd, np.float32),
         f"{prefix}.out_proj.weight": out,
@@ -428,8 +478,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m servers.tiny_model", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="cache folder; the model is built inside it")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="cpu", help="gpu: GPU_GEOMETRY (see there)")
     args = parser.parse_args(argv)
-    print(build_tiny_model(args.out, args.seed))
+    print(build_tiny_model(args.out, args.seed, args.variant))
     return 0
 
 

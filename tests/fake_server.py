@@ -106,6 +106,8 @@ class FakeVLLM:
     _loop: asyncio.AbstractEventLoop | None = None
     _server: asyncio.base_events.Server | None = None
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _stop_event: asyncio.Event | None = None
     _thread: threading.Thread | None = None
 
     @property
@@ -147,11 +149,27 @@ class FakeVLLM:
             self._thread.join(10)
 
     async def _shutdown(self) -> None:
+        self._stopped().set()  # hanging and slow handlers return at once, instead of being cancelled mid-await
         if self._server is not None:
             self._server.close()
         for w in list(self._writers):
             w.close()
         self._writers.clear()
+        current = asyncio.current_task()
+        pending = [t for t in self._tasks if t is not current]
+        if pending:
+            await asyncio.wait(pending, timeout=2)
+
+    def _stopped(self) -> asyncio.Event:
+        if self._stop_event is None:
+            self._stop_event = asyncio.Event()
+        return self._stop_event
+
+    async def _pause(self, seconds: float) -> bool:
+        """Sleep, unless the server stops first; True when it stopped."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stopped().wait(), seconds)
+        return self._stopped().is_set()
 
     def __enter__(self) -> FakeVLLM:
         return self.start()
@@ -163,6 +181,9 @@ class FakeVLLM:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -175,6 +196,7 @@ class FakeVLLM:
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, ValueError):
             pass
         finally:
+            self._tasks.discard(task)
             self._writers.discard(writer)
             with contextlib.suppress(Exception):
                 writer.close()
@@ -186,10 +208,11 @@ class FakeVLLM:
         self.calls[path] = n
         action = self.fault(path, n, headers) if self.fault else None
         while isinstance(action, Slow):
-            await asyncio.sleep(action.seconds)
+            if await self._pause(action.seconds):
+                return False
             action = action.then
         if isinstance(action, Hang):
-            await asyncio.sleep(3600)
+            await self._pause(3600)
             return False
         if isinstance(action, Close):
             return False
@@ -362,3 +385,23 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.05)
+
+
+@dataclass
+class Proxy(FakeVLLM):
+    """A fault-injecting proxy in front of a real server: the same faults, every other request forwarded.
+    `rewrite_metrics(scrape number, text)` may change the real /metrics page on its way back."""
+
+    upstream: str = ""
+    rewrite_metrics: Callable[[int, str], str] | None = None
+
+    async def serve(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
+        import httpx
+
+        keep = {k: v for k, v in headers.items() if k not in ("host", "content-length", "connection")}
+        async with httpx.AsyncClient(base_url=self.upstream, timeout=600) as http:
+            r = await http.request(method, path, headers=keep, content=body)
+        content = r.content
+        if path == "/metrics" and self.rewrite_metrics is not None:
+            content = self.rewrite_metrics(self.calls.get("/metrics", 0), r.text).encode()
+        return Reply(r.status_code, content, (("Content-Type", r.headers.get("content-type", "text/plain")),))

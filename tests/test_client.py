@@ -14,6 +14,8 @@ import tenacity
 from blackbox import client, errors, store
 from blackbox.client import Endpoint
 from blackbox.history import Kind
+from blackbox.secrets import Redactor
+from blackbox.watch import Heartbeat, Watch
 
 KEY = "sk-very-secret-0123456789"
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -320,3 +322,144 @@ async def test_gather_bounded_keeps_order_and_limit() -> None:
 
     assert await client.gather_bounded(2, *(job(i) for i in range(6))) == list(range(6))
     assert peak == 2
+
+
+# --- retries: 429 (Retry-After), 503 and connection errors only, bounded and reported ---------------------------
+
+
+def watched(**kw: Any) -> tuple[Watch, list[dict[str, Any]], list[str]]:
+    retries: list[dict[str, Any]] = []
+    lines: list[str] = []
+    watch = Watch(on_retry=lambda r: retries.append(dict(r)), **kw)
+    return watch, retries, lines
+
+
+def sequence(*replies: httpx.Response) -> Handler:
+    calls = iter(replies)
+    return lambda request: next(calls)
+
+
+async def test_a_429_is_retried_after_its_retry_after_then_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+
+    monkeypatch.setattr(client, "_sleep", sleep)  # keep the suite fast, and see the wait
+    watch, retries, _ = watched()
+    handler = sequence(httpx.Response(429, headers={"Retry-After": "2"}), httpx.Response(200, json=CHAT))
+    e = await chat(handler, watch=watch)
+    assert e.ok
+    assert slept == [2.0]
+    assert [(r["attempt"], r["reason"], r["wait_s"]) for r in retries] == [(1, "HTTP 429 (Retry-After: 2)", 2.0)]
+    assert retries[0]["request"] == "POST /v1/chat/completions [c003-treatment-turn2]"
+
+
+async def test_a_503_is_retried_a_bounded_number_of_times() -> None:
+    watch, retries, _ = watched()
+    calls = 0
+
+    def unavailable(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        return httpx.Response(503)
+
+    e = await chat(unavailable, watch=watch)
+    assert calls == client.ATTEMPTS
+    assert not e.ok and "HTTP 503 after 4 attempts" in (e.error or "")
+    assert retries[-1]["gave_up"] and len(retries) == client.ATTEMPTS
+
+
+async def test_a_retry_after_past_the_budget_gives_up_at_once() -> None:
+    watch, retries, _ = watched()
+    e = await chat(sequence(httpx.Response(429, headers={"Retry-After": "999"})), watch=watch)
+    assert not e.ok
+    assert [r["attempt"] for r in retries] == [1] and retries[0]["gave_up"]
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 422])
+async def test_other_4xx_are_not_retried(status: int) -> None:
+    watch, retries, _ = watched()
+    calls = 0
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        return httpx.Response(status, text="no")
+
+    e = await chat(refuse, watch=watch)
+    assert calls == 1 and retries == [] and not e.ok
+
+
+def test_retry_after_reads_seconds_and_dates() -> None:
+    assert client.retry_after("7") == 7.0
+    assert client.retry_after(None) is None and client.retry_after("soon") is None
+    assert client.retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past: now
+
+
+# --- messages name the server, the problem and the fix; bodies are redacted before they are cut --------------
+
+
+async def test_401_names_the_key_source_and_is_a_config_mismatch() -> None:
+    async with endpoint(respond({}, 401), key_source="no key sent: $K is not set") as ep:
+        with pytest.raises(errors.ConfigMismatch, match=r"HTTP 401: is the API key right\? \(no key sent: \$K"):
+            await ep.ready()
+
+
+async def test_404_suggests_the_server_root() -> None:
+    async with endpoint(respond({}, 404)) as ep:
+        with pytest.raises(errors.ConfigMismatch, match=r"no /v1 suffix") as info:
+            await ep.ready()
+    assert "http://host:8000, not http://host:8000/v1" in info.value.hint
+
+
+async def test_a_server_without_vllm_metrics_is_not_vllm() -> None:
+    async with endpoint(server(metrics_text="http_requests_total 3\n")) as ep:
+        with pytest.raises(errors.ConfigMismatch, match=r"is this a vLLM server\?"):
+            await ep.ready()
+
+
+async def test_a_key_echoed_in_an_error_body_is_redacted_before_the_body_is_cut() -> None:
+    # The key straddles the 300-character cut: cutting first would keep its first half.
+    body = "x" * 290 + f"Authorization: Bearer {KEY}"
+    watch = Watch(redact=Redactor(KEY))
+    e = await chat(lambda r: httpx.Response(500, text=body), api_key=KEY, watch=watch)
+    assert e.error and KEY[:8] not in e.error and "HTTP 500" in e.error
+
+
+async def test_a_slow_request_gets_a_heartbeat_naming_server_request_and_wait() -> None:
+    lines: list[str] = []
+    watch = Watch(heartbeat=Heartbeat(0.05, lines.append))
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.3)
+        return httpx.Response(200, json=CHAT)
+
+    async with endpoint(slow, model="tiny", watch=watch) as ep, watch.running([]):
+        await ep.chat({"messages": []}, conversation=1, kind=Kind.TURN1)
+    assert lines, "no heartbeat"
+    assert lines[0].startswith(
+        "blackbox: still waiting on treatment (http://server:8000) for POST /v1/chat/completions "
+        "[c001-treatment-turn1]: "
+    )
+    assert "s so far (timeout 300 s)" in lines[0]
+
+
+async def test_a_server_with_no_metrics_page_is_not_vllm_but_one_that_lost_it_mid_run_is_an_endpoint_error() -> None:
+    gone = False
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics" and gone:
+            return httpx.Response(404)
+        return server()(request)
+
+    async with endpoint(lambda r: httpx.Response(404) if r.url.path == "/metrics" else server()(r)) as ep:
+        with pytest.raises(errors.ConfigMismatch, match="GET /metrics with HTTP 404"):
+            await ep.ready()
+    async with endpoint(handle) as ep:
+        await ep.ready()
+        gone = True
+        with pytest.raises(errors.EndpointError) as info:
+            await ep.metrics()
+    assert type(info.value) is errors.EndpointError
+    assert "answered earlier in this run" in info.value.hint

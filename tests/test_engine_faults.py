@@ -25,14 +25,19 @@ TREATMENT_PORT = BASE_PORT + 5  # the session's servers use BASE_PORT..BASE_PORT
 
 
 def _blackbox(
-    treatment: str, shared: Fleet, probe: str, out: Path, seed: int, reference: str | None = None
+    treatment: str,
+    shared: Fleet,
+    probe: str,
+    out: Path,
+    seed: int,
+    reference: str | None = None,
+    control: bool = True,
 ) -> tuple[int, dict, str]:
     code, output, _, verdict = blackbox_cli(
         out,
         "--treatment",
         treatment,
-        "--control",
-        shared.urls["control"],
+        *(("--control", shared.urls["control"]) if control else ()),
         "--reference",
         reference or shared.urls["reference"],
         "--probe",
@@ -65,6 +70,13 @@ def test_fault_fires_and_is_caught_by_its_grader(fault: str, cpu_fleet: Fleet, t
             assert code == 1, output
             assert verdict["status"] == "FAIL" and verdict["error_class"] == "CorruptionDetected", output
             assert catcher in failing, (seed, failing, output)
+        if probe == "multiturn":
+            # The single-endpoint mode (no control, a staging smoke test) sees these faults too: logprob needs
+            # only the reference as its yardstick.
+            code, verdict, output = _blackbox(
+                fleet.urls["treatment"], cpu_fleet, probe, tmp_path / "runs-alone", SEEDS[0], control=False
+            )
+            assert code == 1 and "logprob" in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
 
 
 def test_cold_race_passes_on_a_clean_fragmented_treatment(cpu_fleet: Fleet, tmp_path: Path) -> None:

@@ -32,6 +32,18 @@ def test_servers_are_healthy_and_expose_their_roles(cpu_fleet: Fleet) -> None:
     assert treatment.info[metrics.CACHE_CONFIG_INFO]["block_size"] == "128"
 
 
+def test_two_roles_share_one_device_and_both_serve(cpu_fleet: Fleet) -> None:
+    # On a 2-core machine the launcher puts three roles on two cores: two of them share one, as several roles
+    # share one GPU on a GPU host. Both must be healthy and answer.
+    binds = {s.role: s.env.get("VLLM_CPU_OMP_THREADS_BIND") for s in cpu_fleet.specs}
+    shared = [role for role, core in binds.items() if list(binds.values()).count(core) > 1]
+    assert len(shared) >= 2, binds
+    for role in shared:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "the code of amber"}], "max_tokens": 4}
+        reply = httpx.post(f"{cpu_fleet.urls[role]}/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1, (role, reply.text)
+
+
 async def _settled(url: str, before: metrics.MetricsSnapshot) -> metrics.MetricsDelta:
     async with httpx.AsyncClient() as http:
         last = None

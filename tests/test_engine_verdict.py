@@ -126,3 +126,28 @@ def test_the_pytest_plugin_runs_the_same_engine(cpu_fleet: Fleet, tmp_path: Path
     assert "1 passed" in proc.stdout
     (run,) = (tmp_path / "runs").iterdir()
     assert json.loads((run / "verdict.json").read_text())["status"] == "PASS"
+
+
+def test_single_endpoint_mode_on_the_real_pair(cpu_fleet: Fleet, tmp_path: Path) -> None:
+    # A staging smoke test has no control: the treatment's own fresh-salt answers are the control. On the tiny
+    # model (which cannot recall) the treatment alone has no grader for decode-written blocks: UNKNOWN, saying why.
+    code, output, run, verdict = blackbox_cli(
+        tmp_path / "alone", "--treatment", cpu_fleet.urls["treatment"], "--conversations", "4", "--seed", "15"
+    )
+    assert code == 2 and verdict["error_class"] == "NoEvidence", output
+    assert "control" not in {json.loads(line)["arm"] for line in (run / "exchanges.jsonl").read_text().splitlines()}
+    assert "single endpoint" in output
+    # With the reference as the yardstick, the same mode grades decode-region hits and passes a clean treatment.
+    code, output, run, verdict = blackbox_cli(
+        tmp_path / "with-reference",
+        "--treatment",
+        cpu_fleet.urls["treatment"],
+        "--reference",
+        cpu_fleet.urls["reference"],
+        "--conversations",
+        "12",
+        "--seed",
+        "15",
+    )
+    assert code == 0 and verdict["status"] == "PASS", output
+    assert "logprob" in verdict["graders_used"]

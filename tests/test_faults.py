@@ -17,15 +17,23 @@ from typing import Any
 
 import pytest
 import torch
+from scipy.stats import binomtest
 
 import servers.vllm_plugin as plugin
 from servers.vllm_plugin import faults
 from servers.vllm_plugin.faults import (
     FAULTS,
     FaultCounter,
+    FaultEvent,
+    Sporadic,
+    SporadicGate,
+    block_id,
     chunk_end_copy,
+    draw,
+    fault_events,
     fired_counts,
     shifted_boundary_index,
+    skipped_counts,
     substitute_mamba_hit,
 )
 
@@ -63,6 +71,9 @@ def restore_targets(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         owner = _owner(module, cls)
         monkeypatch.setattr(owner, attr, getattr(owner, attr))
     monkeypatch.setattr(faults, "_counters", {})
+    monkeypatch.setattr(faults, "_gates", {})
+    for var in (faults.SPORADIC_ENV, faults.SHAPE_ENV, faults.SEED_ENV):
+        monkeypatch.delenv(var, raising=False)
     assert _patched() == []
     yield
 
@@ -324,6 +335,13 @@ def _real_cache(mamba_boundaries: tuple[int, ...], use_eagle: bool = True) -> Re
     return RealCache(manager, request, {b: cache(b // BS - 1, 0) for b in mamba_boundaries})
 
 
+def _unpatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module, cls, attr in TARGETS:
+        owner = _owner(module, cls)
+        current = getattr(owner, attr)
+        monkeypatch.setattr(owner, attr, getattr(current, "__wrapped__", current))
+
+
 def _install(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     monkeypatch.setenv(faults.FAULT_ENV, name)
     assert faults.install() == name
@@ -419,7 +437,12 @@ def _runner_objects(chunks: dict[str, tuple[int, int, int, list[int]]], new: dic
         ),
         "input_batch": SimpleNamespace(req_ids=list(chunks)),
         "requests": {
-            r: SimpleNamespace(num_computed_tokens=c[0], num_prompt_tokens=c[2], block_ids=(c[3],))
+            r: SimpleNamespace(
+                num_computed_tokens=c[0],
+                num_prompt_tokens=c[2],
+                prompt_token_ids=list(range(c[2])),
+                block_ids=(c[3],),
+            )
             for r, c in chunks.items()
         },
         "copy_bufs": SimpleNamespace(mamba_group_ids=[0], mamba_spec=SimpleNamespace(block_size=BS)),
@@ -521,3 +544,183 @@ def test_chunk_end_fault_skips_null_and_short_block_tables(restore_targets: None
     for b, a in zip(before, objs["forward_context"]["gdn0"].kv_cache, strict=True):
         assert torch.equal(b, a)
     assert counter.count == 0
+
+
+# --- sporadic firing ------------------------------------------------------------------------------------
+
+
+def test_sporadic_defaults_to_every_candidate() -> None:
+    assert Sporadic.from_env({}) == Sporadic(1.0, "block", 0)
+    blank = {faults.SPORADIC_ENV: " ", faults.SHAPE_ENV: "", faults.SEED_ENV: ""}
+    assert Sporadic.from_env(blank) == Sporadic(1.0, "block", 0)
+    env = {faults.SPORADIC_ENV: "0.2", faults.SHAPE_ENV: " restore ", faults.SEED_ENV: "-7"}
+    assert Sporadic.from_env(env) == Sporadic(0.2, "restore", -7)
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("BLACKBOX_FAULT_SPORADIC", "1.5"),
+        ("BLACKBOX_FAULT_SPORADIC", "-0.1"),
+        ("BLACKBOX_FAULT_SPORADIC", "nan"),
+        ("BLACKBOX_FAULT_SPORADIC", "20%"),
+        ("BLACKBOX_FAULT_SHAPE", "blocks"),
+        ("BLACKBOX_FAULT_SEED", "0.5"),
+    ],
+)
+def test_a_bad_sporadic_setting_fails_start_up_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, restore_targets: None, var: str, value: str
+) -> None:
+    with pytest.raises(ValueError, match=var):
+        Sporadic.from_env({var: value})
+    monkeypatch.setenv(plugin.ENV_VAR, "faults")
+    monkeypatch.setenv(faults.FAULT_ENV, "stale-checkpoint")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
+        plugin.register()
+    assert _patched() == []
+
+
+def test_draw_is_fixed_by_seed_and_parts() -> None:
+    assert draw(0, b"a", b"bc") == draw(0, b"a", b"bc")
+    assert draw(0, b"a", b"bc") != draw(1, b"a", b"bc")
+    assert draw(0, b"a", b"bc") != draw(0, b"ab", b"c")  # length-prefixed: no two splits collide
+    values = [draw(3, i.to_bytes(4, "little")) for i in range(4000)]
+    assert all(0.0 <= v < 1.0 for v in values)
+    # Exact binomial test that a quarter of the draws fall below 0.25, as uniform draws would (fixed data,
+    # so this either always or never passes; it would fail on a biased or truncated hash).
+    below = sum(v < 0.25 for v in values)
+    assert binomtest(below, len(values), 0.25).pvalue > 0.001
+
+
+def _docs(n: int, length: int = 300) -> list[list[int]]:
+    """n distinct token sequences (conversations), each `length` long."""
+    return [[i, *range(1000, 1000 + length - 1)] for i in range(n)]
+
+
+@pytest.mark.parametrize("shape", ["block", "restore"])
+@pytest.mark.parametrize("fraction", [0.1, 0.2, 0.5])
+def test_gate_fires_on_about_the_fraction_of_distinct_candidates(shape: str, fraction: float) -> None:
+    gate = SporadicGate(Sporadic(fraction, shape, seed=11))
+    fired = sum(gate.decide(i, doc[:256], doc).fires for i, doc in enumerate(_docs(2000)))
+    # Exact two-sided binomial test of the fired share against the knob (the draws are hash-uniform).
+    assert binomtest(fired, 2000, fraction).pvalue > 0.001, fired
+
+
+@pytest.mark.parametrize("shape", ["block", "restore"])
+def test_gate_is_deterministic_given_the_seed(shape: str) -> None:
+    def decisions(seed: int) -> list[bool]:
+        gate = SporadicGate(Sporadic(0.3, shape, seed))
+        return [gate.decide(i, doc[:128], doc).fires for i, doc in enumerate(_docs(200))]
+
+    assert decisions(5) == decisions(5)
+    assert decisions(5) != decisions(6)
+
+
+def test_block_shape_poisons_the_block_for_every_request_resuming_from_it() -> None:
+    gate = SporadicGate(Sporadic(0.5, "block", seed=2))
+    for doc in _docs(40):
+        # Different requests (turn 2, probes, repeats) resuming from the same 256-token block.
+        outcomes = {gate.decide(("req", k, doc[0]), doc[:256], [*doc, k]).fires for k in range(6)}
+        assert len(outcomes) == 1
+        assert gate.decide(("other", doc[0]), doc[:128], doc).block != gate.decide(("x", doc[0]), doc[:256], doc).block
+    blocks = {gate.decide(("first", d[0]), d[:256], d).fires for d in _docs(40)}
+    assert blocks == {True, False}  # some blocks poisoned, some sound
+
+
+def test_restore_shape_varies_between_restores_of_the_same_block() -> None:
+    gate = SporadicGate(Sporadic(0.5, "restore", seed=2))
+    doc = _docs(1)[0]
+    # The very same request re-sent 400 times: each restore is its own draw, the block id stays.
+    decisions = [gate.decide(("req", k), doc[:256], doc) for k in range(400)]
+    assert {d.block for d in decisions} == {block_id(doc[:256])}
+    fired = sum(d.fires for d in decisions)
+    assert binomtest(fired, 400, 0.5).pvalue > 0.001, fired
+    again = SporadicGate(Sporadic(0.5, "restore", seed=2))
+    assert [again.decide(("r", k), doc[:256], doc).fires for k in range(400)] == [d.fires for d in decisions]
+
+
+@pytest.mark.parametrize("shape", ["block", "restore"])
+def test_gate_answers_a_request_looked_up_again_the_same(shape: str) -> None:
+    gate = SporadicGate(Sporadic(0.5, shape, seed=4))
+    doc = _docs(1)[0]
+    first = [gate.decide(("req", k), doc[:256], doc) for k in range(50)]
+    assert [gate.decide(("req", k), doc[:256], doc) for k in range(50)] == first
+
+
+@pytest.mark.parametrize("shape", ["block", "restore"])
+def test_gate_at_the_ends_of_the_range(shape: str) -> None:
+    for fraction, expected in ((0.0, False), (1.0, True)):
+        gate = SporadicGate(Sporadic(fraction, shape))
+        assert {gate.decide(i, d[:128], d).fires for i, d in enumerate(_docs(100))} == {expected}
+
+
+def test_counter_logs_skips_apart_and_fault_events_read_them(caplog: pytest.LogCaptureFixture) -> None:
+    counter = FaultCounter("eagle-overrun")
+    with caplog.at_level(logging.WARNING, logger="vllm.blackbox"):
+        assert counter.fire("a", "aa01")
+        assert counter.skip("b", "bb02")
+        assert not counter.skip("a", "aa01")  # a key counts once, fired or skipped
+        assert counter.skip("c", "cc03")
+    assert (counter.count, counter.skipped) == (1, 2)
+    assert fired_counts(caplog.text) == {"eagle-overrun": 1}
+    assert skipped_counts(caplog.text) == {"eagle-overrun": 2}
+    assert fault_events(caplog.text) == [
+        FaultEvent(True, "eagle-overrun", "aa01"),
+        FaultEvent(False, "eagle-overrun", "bb02"),
+        FaultEvent(False, "eagle-overrun", "cc03"),
+    ]
+
+
+@pytest.mark.parametrize("name", ["eagle-overrun", "stale-checkpoint"])
+def test_real_manager_sporadic_block_decides_by_the_resumed_block(
+    monkeypatch: pytest.MonkeyPatch, restore_targets: None, caplog: pytest.LogCaptureFixture, name: str
+) -> None:
+    monkeypatch.setenv(faults.SPORADIC_ENV, "0.5")
+    outcomes = set()
+    for seed in range(12):
+        monkeypatch.setenv(faults.SEED_ENV, str(seed))
+        monkeypatch.setattr(faults, "_gates", {})
+        monkeypatch.setattr(faults, "_counters", {})
+        _install(monkeypatch, name)
+        cache = _real_cache((128, 384, 512, 640))
+        tokens = list(range(700))
+        expected = SporadicGate(Sporadic(0.5, "block", seed)).decide("any", tokens[:512], tokens).fires
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vllm.blackbox"):
+            blocks, hit, _ = cache.manager.get_computed_blocks(cache.request)
+        assert hit == 512
+        assert (blocks.blocks[0][-1] is not cache.mamba[512]) is expected
+        event = FaultEvent(expected, name, block_id(tokens[:512]))
+        assert fault_events(caplog.text) == [event]
+        outcomes.add(expected)
+        _unpatch(monkeypatch)  # the next seed installs afresh
+    assert outcomes == {True, False}
+
+
+def test_real_manager_skips_everything_at_sporadic_zero(
+    monkeypatch: pytest.MonkeyPatch, restore_targets: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(faults.SPORADIC_ENV, "0")
+    monkeypatch.setenv(faults.SHAPE_ENV, "restore")
+    _install(monkeypatch, "stale-checkpoint")
+    cache = _real_cache((128, 384, 512, 640))
+    with caplog.at_level(logging.WARNING, logger="vllm.blackbox"):
+        blocks, _, _ = cache.manager.get_computed_blocks(cache.request)
+        cache.manager.get_computed_blocks(cache.request)  # looked up again: still one candidate
+    assert blocks.blocks[0][-1] is cache.mamba[512]
+    assert (fired_counts(caplog.text), skipped_counts(caplog.text)) == ({}, {"stale-checkpoint": 1})
+
+
+def test_chunk_end_fault_skipped_by_the_draw_leaves_the_snapshot(caplog: pytest.LogCaptureFixture) -> None:
+    counter = FaultCounter("chunk-end-as-boundary")
+    fault = faults._ChunkEndFault(counter, SporadicGate(Sporadic(0.0, "block")))
+    objs = _runner_objects({"frag": (128, 64, 192, [3, 4, 5])}, new={"frag": 0})
+    before = [s.clone() for s in objs["forward_context"]["gdn0"].kv_cache]
+    with caplog.at_level(logging.WARNING, logger="vllm.blackbox"):
+        fault.plan(objs["scheduler_output"], objs["input_batch"], objs["requests"], objs["copy_bufs"])
+        fault.run(objs["kv_cache_config"], objs["forward_context"])
+    for b, a in zip(before, objs["forward_context"]["gdn0"].kv_cache, strict=True):
+        assert torch.equal(b, a)
+    # The poisoned-or-not block is boundary 128 of this prompt.
+    assert fault_events(caplog.text) == [FaultEvent(False, "chunk-end-as-boundary", block_id(list(range(128))))]

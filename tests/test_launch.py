@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,7 +20,16 @@ import pytest
 
 from servers import launch, profiles
 from servers.launch import Fleet, ServerStartError, Shutdown
-from servers.profiles import FRAGMENTED_BATCHED_TOKENS, ServerSpec, build_specs
+from servers.profiles import (
+    FRAGMENTED_BATCHED_TOKENS,
+    GPU_MEMORY_BUDGET,
+    ROLES,
+    ServerSpec,
+    build_specs,
+    place_on_gpus,
+    retention_args,
+    shares_a_gpu,
+)
 
 SPEC = '{"method":"mtp","num_speculative_tokens":2}'
 
@@ -162,7 +172,8 @@ def test_extra_args_and_spec_override_reach_every_role(tmp_path: Path, two_cores
 
 
 def test_qwen_preset_pins_one_gpu_per_role(tmp_path: Path) -> None:
-    specs = build_specs("qwen3.6-27b-fp8", ("treatment", "control", "reference"), cache_dir=tmp_path)
+    roles = ("treatment", "control", "reference")
+    specs = build_specs("qwen3.6-27b-fp8", roles, cache_dir=tmp_path, gpu_count=8, has_flashinfer=True)
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "1", "2"]
     for spec in specs:
         assert spec.model == spec.served_model_name == "Qwen/Qwen3.6-27B-FP8"
@@ -171,7 +182,109 @@ def test_qwen_preset_pins_one_gpu_per_role(tmp_path: Path) -> None:
         assert flag(spec.args, "--gpu-memory-utilization") == "0.90"
         assert "--enforce-eager" not in spec.args
         assert "BLACKBOX_VLLM_PLUGINS" not in spec.env
+        assert "VLLM_USE_FLASHINFER_SAMPLER" not in spec.env
+        assert "--gdn-prefill-backend" not in spec.args
     assert flag(specs[0].args, "--speculative-config") == SPEC
+    assert not shares_a_gpu(specs)
+
+
+def test_one_gpu_holds_three_roles_with_a_memory_fraction_each(tmp_path: Path) -> None:
+    roles = ("treatment", "control", "reference")
+    specs = build_specs("qwen3.6-27b-fp8", roles, cache_dir=tmp_path, gpu_count=1)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "0", "0"]
+    assert [flag(s.args, "--gpu-memory-utilization") for s in specs] == ["0.30", "0.30", "0.30"]
+    assert all(s.args.count("--gpu-memory-utilization") == 1 for s in specs)
+    assert shares_a_gpu(specs)
+
+
+def test_two_gpus_three_roles_share_round_robin(tmp_path: Path) -> None:
+    roles = ("treatment", "control", "reference")
+    specs = {s.role: s for s in build_specs("qwen3.6-27b-fp8", roles, cache_dir=tmp_path, gpu_count=2)}
+    assert {r: s.env["CUDA_VISIBLE_DEVICES"] for r, s in specs.items()} == {
+        "treatment": "0", "control": "1", "reference": "0",
+    }  # fmt: skip
+    assert {r: flag(s.args, "--gpu-memory-utilization") for r, s in specs.items()} == {
+        "treatment": "0.45", "control": "0.90", "reference": "0.45",
+    }  # fmt: skip
+
+
+def test_placement_never_overcommits_a_gpu() -> None:
+    for n_roles in range(1, 4):
+        for count in range(1, 5):
+            placement = place_on_gpus(ROLES[:n_roles], 1, None, count)
+            per_gpu: dict[str, float] = {}
+            for p in placement:
+                per_gpu[p.devices] = per_gpu.get(p.devices, 0.0) + p.memory_fraction
+                assert set(p.shared_with) == {q.role for q in placement if q.devices == p.devices} - {p.role}
+            assert all(0 < total <= GPU_MEMORY_BUDGET for total in per_gpu.values())
+            assert len(per_gpu) == min(n_roles, count)
+
+
+def test_tensor_parallel_roles_share_whole_gpu_groups(tmp_path: Path) -> None:
+    specs = build_specs("nemotron-3-super-120b", gpus=range(6), cache_dir=tmp_path)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1,2,3", "0,1,2,3"]
+    assert [flag(s.args, "--gpu-memory-utilization") for s in specs] == ["0.45", "0.45"]
+
+
+def test_no_gpu_found_keeps_one_gpu_per_role(tmp_path: Path) -> None:
+    specs = build_specs("qwen3.6-27b-fp8", ("treatment", "control"), cache_dir=tmp_path, gpu_count=0)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "1"]
+
+
+def test_visible_gpu_count_reads_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert profiles.visible_gpu_count() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert profiles.visible_gpu_count() == 0
+
+
+@pytest.mark.parametrize(
+    ("version", "missing"),
+    [("0.26.0", True), ("0.28.9", True), ("0.29.0", False), ("0.29.0rc1.dev7+gabc", False), ("0.32.0", False),
+     ("1.0.0", False), (None, False)],
+)  # fmt: skip
+def test_retention_flag_only_where_the_version_has_it(tmp_path: Path, version: str | None, missing: bool) -> None:
+    args = retention_args(version)
+    assert (args == ()) == missing
+    specs = {s.role: s for s in build_specs("gpu-tiny", ROLES, model="/m", cache_dir=tmp_path, gpu_count=1,
+                                            vllm_version=version)}  # fmt: skip
+    for role in ("treatment", "reference"):
+        assert ("--prefix-cache-retention-interval" in specs[role].args) != missing
+        assert "--enable-prefix-caching" in specs[role].args
+    assert "--prefix-cache-retention-interval" not in specs["control"].args
+    assert all(profiles.RETENTION_ENV not in s.env for s in specs.values())
+
+
+def test_flashinfer_fallback_only_without_flashinfer(tmp_path: Path) -> None:
+    without = build_specs("gpu-tiny", ROLES, model="/m", cache_dir=tmp_path, gpu_count=1, has_flashinfer=False)
+    with_it = build_specs("gpu-tiny", ROLES, model="/m", cache_dir=tmp_path, gpu_count=1, has_flashinfer=True)
+    for spec in without:
+        assert spec.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+        assert flag(spec.args, "--gdn-prefill-backend") == "triton"
+    for spec in with_it:
+        assert "VLLM_USE_FLASHINFER_SAMPLER" not in spec.env
+        assert "--gdn-prefill-backend" not in spec.args
+
+
+def test_gpu_tiny_builds_the_gpu_variant_and_serves_it_as_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[Path, str]] = []
+
+    def build(cache_dir: Path, seed: int = 0, variant: str = "cpu") -> Path:
+        calls.append((cache_dir, variant))
+        return cache_dir / f"tiny-{variant}"
+
+    fake = types.ModuleType("servers.tiny_model")
+    fake.build_tiny_model = build  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "servers.tiny_model", fake)
+    specs = build_specs("gpu-tiny", ROLES, cache_dir=tmp_path, gpu_count=1, vllm_version="0.26.0")
+    assert calls == [(tmp_path, "gpu")]
+    for spec in specs:
+        assert spec.model == str(tmp_path / "tiny-gpu")
+        assert spec.served_model_name == "tiny"
+        assert spec.device == "cuda"
+        assert flag(spec.args, "--max-model-len") == "8192"
+        assert "--enforce-eager" in spec.args  # vLLM 0.26's FULL CUDA graphs die with MTP (bench/results/gpu.md)
+        assert "BLACKBOX_VLLM_PLUGINS" not in spec.env
 
 
 def test_nemotron_preset_takes_disjoint_gpu_sets_in_order(tmp_path: Path) -> None:
@@ -184,7 +297,9 @@ def test_nemotron_preset_takes_disjoint_gpu_sets_in_order(tmp_path: Path) -> Non
 
 
 def test_custom_profile(tmp_path: Path) -> None:
-    specs = build_specs("custom", model="/models/my-hybrid", tensor_parallel=2, cache_dir=tmp_path, fault="x")
+    specs = build_specs(
+        "custom", model="/models/my-hybrid", tensor_parallel=2, cache_dir=tmp_path, fault="x", gpu_count=4
+    )
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2,3"]
     assert specs[0].served_model_name == "my-hybrid"
     assert specs[0].env["BLACKBOX_VLLM_PLUGINS"] == "faults"
@@ -201,7 +316,7 @@ def test_custom_profile(tmp_path: Path) -> None:
         (lambda d: build_specs("cpu-tiny", model="m", tensor_parallel=2, cache_dir=d), ["--tp 1"]),
         (lambda d: build_specs("custom", cache_dir=d), ["needs a model", "--model"]),
         (lambda d: build_specs("custom", model="m", tensor_parallel=0, cache_dir=d), ["not positive"]),
-        (lambda d: build_specs("nemotron-3-super-120b", gpus=range(6), cache_dir=d), ["need 8 GPUs", "got 6"]),
+        (lambda d: build_specs("nemotron-3-super-120b", gpus=range(3), cache_dir=d), ["TP 4 needs 4 GPUs", "got 3"]),
         (lambda d: build_specs("qwen3.6-27b-fp8", gpus=[1, 1], cache_dir=d), ["repeats"]),
     ],
 )
@@ -387,3 +502,25 @@ def test_cli_reports_bad_input_with_exit_3(tmp_path: Path, capsys: pytest.Captur
     code = launch.main(["--profile", "custom", "--log-dir", str(tmp_path), "--cache-dir", str(tmp_path)])
     assert code == 3
     assert "--model" in capsys.readouterr().err
+
+
+def test_one_by_one_starts_each_server_after_the_previous_is_ready(tmp_path: Path) -> None:
+    (a, _), (b, _) = fake_server(tmp_path, "treatment"), fake_server(tmp_path, "control")
+    with Fleet([a, b], tmp_path / "logs") as fleet:
+        fleet.start(timeout_s=30, one_by_one=True)
+        first, second = fleet._servers["treatment"], fleet._servers["control"]
+        assert first.ready_s is not None
+        assert second.started >= first.started + first.ready_s
+        assert set(fleet.urls) == {"treatment", "control"}
+
+
+def test_servers_sharing_a_gpu_start_one_by_one_by_default(tmp_path: Path) -> None:
+    specs = build_specs("gpu-tiny", ("treatment", "control"), model="/m", cache_dir=tmp_path, gpu_count=1)
+    assert shares_a_gpu(specs)
+    (a, _), (b, _) = fake_server(tmp_path, "treatment"), fake_server(tmp_path, "control")
+    shared = [dataclasses.replace(fake, device="cuda", env=spec.env) for fake, spec in zip([a, b], specs, strict=True)]
+    with Fleet(shared, tmp_path / "logs") as fleet:
+        fleet.start(timeout_s=30)
+        first, second = fleet._servers["treatment"], fleet._servers["control"]
+        assert first.ready_s is not None
+        assert second.started >= first.started + first.ready_s

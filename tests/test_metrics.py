@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -161,6 +162,70 @@ def test_empty_text_has_no_counters() -> None:
     assert metrics.MetricsDelta(empty, empty).value(metrics.CACHE_HITS) is None
 
 
+# --- restarts: at any scrape, by _created, by process start time, untyped counters --------------------------
+
+
+def test_a_dip_seen_only_mid_run_is_a_reset(snap: metrics.MetricsSnapshot) -> None:
+    restarted = metrics.parse(_bump(VLLM_TEXT, "} 1280.0", "} 3.0"))
+    grown = metrics.parse(_bump(VLLM_TEXT, "} 1280.0", "} 9999.0"))
+    metrics.MetricsDelta(snap, grown).check_monotonic("treatment")  # before/after alone: looks fine
+    with pytest.raises(errors.CounterReset, match=r"vllm:prefix_cache_hits went backwards \(1280 -> 3\)"):
+        metrics.MetricsDelta(snap, grown, (snap, restarted, grown)).check_monotonic("treatment")
+
+
+def test_a_changed_created_timestamp_is_a_reset_even_when_counters_grew(snap: metrics.MetricsSnapshot) -> None:
+    later = metrics.parse(
+        _bump(
+            VLLM_TEXT,
+            'vllm:prefix_cache_hits_created{engine="0",model_name="tiny"} 1.7543e+09',
+            'vllm:prefix_cache_hits_created{engine="0",model_name="tiny"} 1.7544e+09',
+        )
+    )
+    assert snap.created[("vllm:prefix_cache_hits", (("engine", "0"), ("model_name", "tiny")))] == 1.7543e9
+    with pytest.raises(errors.CounterReset, match=r"vllm:prefix_cache_hits_created changed"):
+        metrics.MetricsDelta(snap, later).check_monotonic("treatment")
+
+
+def test_a_changed_process_start_time_is_a_reset() -> None:
+    before = metrics.parse(VLLM_TEXT + "process_start_time_seconds 1000.0\n")
+    after = metrics.parse(VLLM_TEXT + "process_start_time_seconds 2000.0\n")
+    with pytest.raises(errors.CounterReset, match=r"process_start_time_seconds changed \(1000 -> 2000\)"):
+        metrics.MetricsDelta(before, after).check_monotonic("control")
+
+
+def test_counters_without_type_lines_are_checked_too() -> None:
+    untyped = 'vllm:prefix_cache_hits_total{engine="0"} 50.0\nvllm:cache_config_info{block_size="16"} 1.0\n'
+    before = metrics.parse(untyped)
+    assert "vllm:prefix_cache_hits" in before.counters
+    assert before.info[metrics.CACHE_CONFIG_INFO]["block_size"] == "16"  # info without a TYPE line is still read
+    after = metrics.parse(untyped.replace("50.0", "7.0"))
+    with pytest.raises(errors.CounterReset):
+        metrics.MetricsDelta(before, after).check_monotonic("treatment")
+
+
+def test_histogram_counts_are_counters() -> None:
+    text = '# TYPE h histogram\nh_bucket{le="+Inf"} 5\nh_count 5\nh_sum 2.5\n'
+    before, after = metrics.parse(text), metrics.parse(text.replace(" 5\n", " 1\n"))
+    assert metrics.restarts([before, after])
+
+
+def test_compact_round_trip_keeps_what_restart_detection_reads(snap: metrics.MetricsSnapshot) -> None:
+    back = metrics.from_compact(json.loads(json.dumps(snap.compact())))
+    assert back.counters == snap.counters and back.created == snap.created
+    assert back.value(metrics.CACHE_HITS) == snap.value(metrics.CACHE_HITS)
+    assert metrics.restarts([snap, back]) == []
+
+
+def test_a_parse_error_names_the_server() -> None:
+    with pytest.raises(errors.EndpointError, match=r"control at http://c:1/metrics is not Prometheus text"):
+        metrics.parse("<html>{{{ 1", source="control at http://c:1/metrics")
+
+
+def test_is_vllm() -> None:
+    assert metrics.is_vllm(metrics.parse(VLLM_TEXT))
+    assert not metrics.is_vllm(metrics.parse("http_requests_total 3\n"))
+
+
 def test_scrapes_are_judged_in_time_order_not_list_order() -> None:
     # Periodic scrapes go on while the settled `after` snapshot is read, so one taken later can precede it in the
     # list; a counter that only grew must not read as a restart (seen on the CPU pair with process_cpu_seconds).
@@ -169,4 +234,15 @@ def test_scrapes_are_judged_in_time_order_not_list_order() -> None:
     start = dataclasses.replace(h.snapshot({metrics.CACHE_HITS: 0}), at=1.0)
     metrics.MetricsDelta(start, early, (start, late, early)).check_monotonic("treatment")
     with pytest.raises(errors.CounterReset):
-        metrics.MetricsDelta(start, dataclasses.replace(early, at=70.0), (start, late)).check_monotonic("treatment")
+        after = dataclasses.replace(early, at=70.0)  # the same numbers, read after `late`: a restart
+        metrics.MetricsDelta(start, after, (start, after, late)).check_monotonic("treatment")
+
+
+def test_before_and_after_read_back_from_files_stay_first_and_last() -> None:
+    # `blackbox grade` parses metrics/<arm>-{before,after}.prom, which carry no time (at = 0); the stored scrapes
+    # carry theirs. A clean run must re-grade clean.
+    before, after = h.snapshot({metrics.CACHE_HITS: 0}), h.snapshot({metrics.CACHE_HITS: 12})
+    during = [
+        dataclasses.replace(h.snapshot({metrics.CACHE_HITS: n}), at=t) for n, t in ((0, 0.5), (5, 3.0), (12, 6.0))
+    ]
+    metrics.MetricsDelta(before, after, during).check_monotonic("treatment")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -270,3 +271,72 @@ def test_decode_then_encode_is_the_identity_and_the_chat_template_keeps_boundari
     assert prompt2[: len(prompt1)] == prompt1
     assert prompt2[len(prompt1) : len(prompt1) + len(answer_ids) + 1] == [*answer_ids, ids["<|im_end|>"]]
     assert tokenizer.unk_token_id not in prompt2
+
+
+# --- the GPU variant ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-gpu"), SEED, variant="gpu")
+
+
+def test_gpu_variant_has_twice_as_many_value_heads_and_its_own_folder(gpu_model_dir: Path, model_dir: Path) -> None:
+    geometry = tiny_model.GPU_GEOMETRY
+    config = json.loads((gpu_model_dir / "config.json").read_text())
+    tensors = load_file(gpu_model_dir / "model.safetensors")
+
+    assert gpu_model_dir.name == f"tiny-qwen3next-gpu-s{SEED}-v{VERSION}"
+    assert config["linear_num_value_heads"] == 2 * config["linear_num_key_heads"] == 2 * geometry.k_heads
+    assert config["linear_key_head_dim"] == config["linear_value_head_dim"] == geometry.head_dim
+    key_dim, value_dim = geometry.k_heads * geometry.head_dim, geometry.v_heads * geometry.head_dim
+    assert tensors["model.layers.0.linear_attn.in_proj_qkvz.weight"].shape == (2 * key_dim + 2 * value_dim, 128)
+    assert tensors["model.layers.0.linear_attn.in_proj_ba.weight"].shape == (2 * geometry.v_heads, 128)
+    assert tensors["model.layers.0.linear_attn.conv1d.weight"].shape == (2 * key_dim + value_dim, 1, 4)
+    # Everything but the GDN mixers is the CPU model's, byte for byte.
+    cpu = load_file(model_dir / "model.safetensors")
+    shared = [n for n in cpu if ".linear_attn." not in n]
+    assert shared and all(torch.equal(cpu[n], tensors[n]) for n in shared)
+
+
+def test_gpu_variant_decays_span_the_planted_range(gpu_model_dir: Path) -> None:
+    tensors = {k: v.float() for k, v in load_file(gpu_model_dir / "model.safetensors").items()}
+    for n, layer in enumerate(GDN_LAYERS):
+        prefix = f"model.layers.{layer}.linear_attn"
+        softplus_dt = torch.nn.functional.softplus(tensors[f"{prefix}.dt_bias"])
+        decay = torch.exp(-tensors[f"{prefix}.A_log"].exp() * softplus_dt)
+        low, high = tiny_model.GDN_DECAYS[n]
+        assert decay.numel() == tiny_model.GPU_GEOMETRY.v_heads
+        assert decay.min().item() == pytest.approx(low, abs=1e-4)
+        assert decay.max().item() == pytest.approx(high, abs=1e-4)
+
+
+def test_gpu_variant_follows_the_successor_like_the_cpu_model(gpu_model_dir: Path, reference_path: None) -> None:
+    model = _load(gpu_model_dir, torch.float32)
+    ids = _words(np.random.default_rng(5), 400)
+    f = torch.tensor(successor(SEED))
+    with torch.no_grad():
+        argmax = model(ids).logits[0].argmax(-1)
+    follow = (argmax == f[ids[0]]).float().mean().item()
+    assert 0.75 <= follow <= 0.95  # measured 0.835 (CPU model 0.817)
+
+
+def _ba_last_stride(k_heads: int, v_heads: int, tokens: int = 3) -> int:
+    """vLLM 0.26 `fix_query_key_value_ordering` on in_proj_ba's output, as its CUDA path does it."""
+    ba = torch.zeros(tokens, 2 * v_heads)
+    grouped = ba.view(tokens, k_heads, 2 * v_heads // k_heads)
+    b, _ = torch.split(grouped, [v_heads // k_heads, v_heads // k_heads], dim=2)
+    return int(b.reshape(tokens, v_heads).stride(-1))
+
+
+def test_gpu_geometry_gives_the_decode_kernel_contiguous_b_and_a() -> None:
+    """The CUDA decode kernel raises "a/b must be contiguous in the last dim" unless the last stride is 1."""
+    cpu, gpu = tiny_model.CPU_GEOMETRY, tiny_model.GPU_GEOMETRY
+    assert _ba_last_stride(cpu.k_heads, cpu.v_heads) == 2  # the crash on the H200
+    assert _ba_last_stride(gpu.k_heads, gpu.v_heads) == 1
+    assert _ba_last_stride(16, 32) == 1  # Qwen3-Next-80B's heads
+
+
+def test_unknown_variant_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="gpu"):
+        build_tiny_model(tmp_path, SEED, variant="tpu")

@@ -33,6 +33,23 @@ Every fire (a state handed over or stored that the clean engine would not have) 
 and logged as ``BLACKBOX_FAULT fired name=<fault> count=<n>`` on the ``vllm.blackbox`` logger at WARNING,
 so a test can tell "the fault never fired" from "the tester missed it"; ``fired_counts`` reads a log.
 
+Sporadic faults. A real bug of this family corrupts some resumes, not all. ``BLACKBOX_FAULT_SPORADIC`` (a
+fraction in [0, 1], default 1: every candidate fires) makes a fault fire on that fraction of its candidates
+(each place where it could change a state), in one of two shapes (``BLACKBOX_FAULT_SHAPE``):
+
+- ``block`` (default): a poisoned block. The draw is a seeded hash of the block's identity (the tokens up to
+  the boundary the request resumes from, or whose snapshot is written), so every request that resumes from
+  that block is wrong, and none that resumes from a sound one is.
+- ``restore``: a transient fault. The draw is a seeded hash of the event (the request's tokens, the boundary,
+  and how many times this process saw that same event before), so the same block is restored right one
+  time and wrong the next.
+
+Token ids, not vLLM's block hashes, identify a block: those hashes are seeded per process unless
+``PYTHONHASHSEED`` is set, and the choice must not change when a server restarts. ``BLACKBOX_FAULT_SEED``
+(an integer, default 0) seeds the draw; given it the choice is deterministic. A skipped candidate is logged
+as ``BLACKBOX_FAULT skipped name=<fault> count=<n> block=<id>`` (a fire likewise carries ``block=<id>``), so
+the fraction that fired can be read from the log (``skipped_counts``, ``fault_events``).
+
 Where the patches live (each is idempotent, marked with ``__blackbox_fault__``):
 
 - hit substitution (``eagle-overrun``, ``stale-checkpoint``): ``KVCacheManager.get_computed_blocks`` in the
@@ -48,37 +65,59 @@ Where the patches live (each is idempotent, marked with ``__blackbox_fault__``):
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import inspect
 import logging
 import os
 import re
 import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 __all__ = [
     "FAULTS",
     "FAULT_ENV",
+    "SEED_ENV",
+    "SHAPES",
+    "SHAPE_ENV",
+    "SPORADIC_ENV",
+    "Decision",
     "Fault",
     "FaultCounter",
+    "FaultEvent",
+    "Sporadic",
+    "SporadicGate",
+    "block_id",
     "chunk_end_copy",
+    "draw",
+    "fault_events",
     "fired_counts",
     "install",
     "selected_fault",
     "shifted_boundary_index",
+    "shifted_mamba_blocks",
+    "skipped_counts",
     "substitute_mamba_hit",
 ]
 
 FAULT_ENV = "BLACKBOX_FAULT"
+SPORADIC_ENV = "BLACKBOX_FAULT_SPORADIC"
+SHAPE_ENV = "BLACKBOX_FAULT_SHAPE"
+SEED_ENV = "BLACKBOX_FAULT_SEED"
+SHAPES = ("block", "restore")
 
 # The parent plugin's logger: under "vllm" so lines go through vLLM's handler in every server process.
 logger = logging.getLogger("vllm.blackbox")
 
 FIRED_LINE = "BLACKBOX_FAULT fired name={name} count={count}"
+SKIPPED_LINE = "BLACKBOX_FAULT skipped name={name} count={count}"
 _FIRED_RE = re.compile(r"BLACKBOX_FAULT fired name=(\S+) count=(\d+)")
+_SKIPPED_RE = re.compile(r"BLACKBOX_FAULT skipped name=(\S+) count=(\d+)")
+_EVENT_RE = re.compile(r"BLACKBOX_FAULT (fired|skipped) name=(\S+) count=(\d+) block=([0-9a-f]+)")
 
 # Attribute that marks a patched function with the fault that installed it (idempotence).
 _MARK = "__blackbox_fault__"
@@ -87,12 +126,35 @@ _MAMBA_UTILS_MODULE = "vllm.v1.worker.mamba_utils"
 _SEEN_CAP = 1 << 16  # keys remembered for de-duplicating fires (request ids)
 
 
-def fired_counts(log_text: str) -> dict[str, int]:
-    """The highest ``count`` logged per fault name in a server log (each process counts on its own)."""
+def _highest(pattern: re.Pattern[str], log_text: str) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for name, count in _FIRED_RE.findall(log_text):
+    for name, count in pattern.findall(log_text):
         counts[name] = max(counts.get(name, 0), int(count))
     return counts
+
+
+def fired_counts(log_text: str) -> dict[str, int]:
+    """The highest ``count`` logged per fault name in a server log (each process counts on its own)."""
+    return _highest(_FIRED_RE, log_text)
+
+
+def skipped_counts(log_text: str) -> dict[str, int]:
+    """Like ``fired_counts``, for the candidates a sporadic fault let pass."""
+    return _highest(_SKIPPED_RE, log_text)
+
+
+@dataclass(frozen=True)
+class FaultEvent:
+    """One logged candidate: whether it fired, the fault, and the block it concerned."""
+
+    fired: bool
+    name: str
+    block: str
+
+
+def fault_events(log_text: str) -> list[FaultEvent]:
+    """Every fire and skip that names its block, in log order."""
+    return [FaultEvent(act == "fired", name, blk) for act, name, _, blk in _EVENT_RE.findall(log_text)]
 
 
 class _HashList(Protocol):
@@ -104,16 +166,24 @@ class _HashList(Protocol):
 
 
 class FaultCounter:
-    """Counts one fault's fires in this process and logs each one; a key fires at most once."""
+    """Counts one fault's fires and skips in this process and logs each one; a key counts at most once."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.count = 0
+        self.skipped = 0
         self._seen: OrderedDict[Hashable, None] = OrderedDict()
         self._lock = threading.Lock()
 
-    def fire(self, key: Hashable | None = None) -> bool:
+    def fire(self, key: Hashable | None = None, block: str | None = None) -> bool:
         """Record one fire (once per ``key`` when given); True if it was counted."""
+        return self._record(key, block, fired=True)
+
+    def skip(self, key: Hashable | None = None, block: str | None = None) -> bool:
+        """Record one candidate the sporadic draw let pass (once per ``key``); True if it was counted."""
+        return self._record(key, block, fired=False)
+
+    def _record(self, key: Hashable | None, block: str | None, fired: bool) -> bool:
         with self._lock:
             if key is not None:
                 if key in self._seen:
@@ -121,17 +191,133 @@ class FaultCounter:
                 self._seen[key] = None
                 if len(self._seen) > _SEEN_CAP:
                     self._seen.popitem(last=False)
-            self.count += 1
-            count = self.count
-        logger.warning(FIRED_LINE.format(name=self.name, count=count))
+            if fired:
+                self.count += 1
+                count = self.count
+            else:
+                self.skipped += 1
+                count = self.skipped
+        line = (FIRED_LINE if fired else SKIPPED_LINE).format(name=self.name, count=count)
+        logger.warning(line if block is None else f"{line} block={block}")
         return True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sporadic firing
+
+
+@dataclass(frozen=True)
+class Sporadic:
+    """Which fraction of a fault's candidates fire, in which shape, from which seed."""
+
+    fraction: float = 1.0
+    shape: str = "block"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:  # also rejects NaN
+            raise ValueError(f"{SPORADIC_ENV}={self.fraction!r} is not a fraction in [0, 1]")
+        if self.shape not in SHAPES:
+            raise ValueError(f"{SHAPE_ENV}={self.shape!r} names no shape; known shapes: {', '.join(SHAPES)}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Sporadic:
+        """Read the three variables (blank or unset: the default); ValueError names a bad one."""
+        env = os.environ if environ is None else environ
+
+        def read(var: str, default: str) -> str:
+            return env.get(var, "").strip() or default
+
+        fraction, seed = read(SPORADIC_ENV, "1"), read(SEED_ENV, "0")
+        try:
+            value = float(fraction)
+        except ValueError:
+            raise ValueError(f"{SPORADIC_ENV}={fraction!r} is not a fraction in [0, 1]") from None
+        try:
+            seed_value = int(seed)
+        except ValueError:
+            raise ValueError(f"{SEED_ENV}={seed!r} is not an integer") from None
+        return cls(value, read(SHAPE_ENV, "block"), seed_value)
+
+    def describe(self) -> str:
+        return f"sporadic={self.fraction:g} shape={self.shape} seed={self.seed}"
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return array("q", tokens).tobytes()
+
+
+def block_id(tokens: Sequence[int]) -> str:
+    """A block's identity, seed-free: a short hash of every token up to its boundary (what a block hash
+    chains over, less the per-process seed)."""
+    return hashlib.blake2b(_token_bytes(tokens), digest_size=6).hexdigest()
+
+
+def draw(seed: int, *parts: bytes) -> float:
+    """A uniform number in [0, 1) fixed by ``seed`` and ``parts`` (each length-prefixed, so no two splits of
+    the same bytes collide)."""
+    h = hashlib.blake2b(digest_size=8, person=b"blackbox-fault")
+    h.update(seed.to_bytes(16, "little", signed=True))
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return int.from_bytes(h.digest(), "little") / 2**64
+
+
+@dataclass(frozen=True)
+class Decision:
+    fires: bool
+    block: str
+
+
+class SporadicGate:
+    """Decides per candidate whether a fault fires; one decision per event key (a request looked up again
+    gets the same answer), occurrences counted per event so a ``restore`` fault can differ on a repeat."""
+
+    def __init__(self, sporadic: Sporadic) -> None:
+        self.sporadic = sporadic
+        self._decided: OrderedDict[Hashable, Decision] = OrderedDict()
+        self._occurrences: OrderedDict[bytes, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def decide(self, key: Hashable, block_tokens: Sequence[int], event_tokens: Sequence[int]) -> Decision:
+        """``block_tokens``: the tokens up to the boundary concerned; ``event_tokens``: the request's."""
+        with self._lock:
+            known = self._decided.get(key)
+            if known is not None:
+                return known
+            decision = self._new(block_tokens, event_tokens)
+            _remember(self._decided, key, decision)
+            return decision
+
+    def _new(self, block_tokens: Sequence[int], event_tokens: Sequence[int]) -> Decision:
+        block = _token_bytes(block_tokens)
+        name = block_id(block_tokens)
+        fraction = self.sporadic.fraction
+        if fraction >= 1.0 or fraction <= 0.0:
+            return Decision(fraction >= 1.0, name)
+        if self.sporadic.shape == "block":
+            return Decision(draw(self.sporadic.seed, b"block", block) < fraction, name)
+        event = hashlib.blake2b(_token_bytes(event_tokens), digest_size=16).digest() + len(block_tokens).to_bytes(
+            8, "little"
+        )
+        seen = self._occurrences.get(event, 0)
+        _remember(self._occurrences, event, seen + 1)
+        return Decision(draw(self.sporadic.seed, b"restore", event, seen.to_bytes(8, "little")) < fraction, name)
+
+
+def _remember(cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    if len(cache) > _SEEN_CAP:
+        cache.popitem(last=False)
 
 
 @dataclass(frozen=True)
 class Fault:
     name: str
     mechanism: str
-    installer: Callable[[FaultCounter], None]
+    installer: Callable[[FaultCounter, SporadicGate], None]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -151,6 +337,35 @@ def shifted_boundary_index(hit_length: int, shift_tokens: int, unit: int, num_ha
     return index if index < num_hashes else None
 
 
+def shifted_mamba_blocks(
+    blocks_by_group: Sequence[list[Any]],
+    group_ids: Sequence[int],
+    block_hashes: _HashList,
+    hit_length: int,
+    shift_tokens: int,
+    block_size: int,
+    unit: int,
+    get_cached_block: Callable[[Any, list[int]], list[Any] | None],
+) -> list[Any] | None:
+    """The cached blocks of the shifted boundary for Mamba groups ``group_ids``, one per group, or None.
+
+    ``blocks_by_group[g]`` is group g's hit (null padding, then the block holding the state at
+    ``hit_length``). None unless every group's hit ends in a real block at the boundary, the shifted
+    boundary is cached for all of them, and that is a different block. Changes nothing.
+    """
+    num_blocks = -(-hit_length // block_size)
+    hits = [blocks_by_group[g] for g in group_ids]
+    if hit_length <= 0 or not hits or any(len(h) != num_blocks or h[-1].is_null for h in hits):
+        return None
+    index = shifted_boundary_index(hit_length, shift_tokens, unit, len(block_hashes))
+    if index is None:
+        return None
+    cached = get_cached_block(block_hashes[index], list(group_ids))
+    if cached is None or all(new is h[-1] for new, h in zip(cached, hits, strict=True)):
+        return None
+    return list(cached)
+
+
 def substitute_mamba_hit(
     blocks_by_group: Sequence[list[Any]],
     group_ids: Sequence[int],
@@ -161,29 +376,36 @@ def substitute_mamba_hit(
     unit: int,
     get_cached_block: Callable[[Any, list[int]], list[Any] | None],
 ) -> bool:
-    """Replace the hit block of Mamba groups ``group_ids`` by the cached block of the shifted boundary.
-
-    ``blocks_by_group[g]`` is group g's hit (null padding, then the block holding the state at
-    ``hit_length``). Changes nothing and returns False unless every group's hit ends in a real block at
-    the boundary, the shifted boundary is cached for all of them, and that is a different block.
-    """
-    num_blocks = -(-hit_length // block_size)
-    hits = [blocks_by_group[g] for g in group_ids]
-    if hit_length <= 0 or not hits or any(len(h) != num_blocks or h[-1].is_null for h in hits):
-        return False
-    index = shifted_boundary_index(hit_length, shift_tokens, unit, len(block_hashes))
-    if index is None:
-        return False
-    cached = get_cached_block(block_hashes[index], list(group_ids))
-    if cached is None or all(new is h[-1] for new, h in zip(cached, hits, strict=True)):
-        return False
-    for new, h in zip(cached, hits, strict=True):
-        h[-1] = new
-    return True
+    """Replace the hit block of Mamba groups ``group_ids`` by ``shifted_mamba_blocks``; False (and nothing
+    changed) where there is none."""
+    swap = _Swap(
+        blocks_by_group,
+        group_ids,
+        shifted_mamba_blocks(
+            blocks_by_group, group_ids, block_hashes, hit_length, shift_tokens, block_size, unit, get_cached_block
+        ),
+    )
+    return swap.apply()
 
 
-def _shift_hit(manager: Any, request: Any, result: Any, shift_blocks: int, require_eagle: bool) -> bool:
-    """Apply ``substitute_mamba_hit`` to every Mamba group of a hybrid coordinator's granted hit."""
+@dataclass(frozen=True)
+class _Swap:
+    """A pending substitution: the new last block of each group's hit list."""
+
+    blocks_by_group: Sequence[list[Any]]
+    group_ids: Sequence[int]
+    new_blocks: list[Any] | None
+
+    def apply(self) -> bool:
+        if self.new_blocks is None:
+            return False
+        for new, g in zip(self.new_blocks, self.group_ids, strict=True):
+            self.blocks_by_group[g][-1] = new
+        return True
+
+
+def _shift_candidates(manager: Any, request: Any, result: Any, shift_blocks: int, require_eagle: bool) -> list[_Swap]:
+    """The substitutions ``shifted_mamba_blocks`` finds for the Mamba groups of a hybrid coordinator's hit."""
     from vllm.v1.core.kv_cache_utils import resolve_block_hashes
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
@@ -191,9 +413,9 @@ def _shift_hit(manager: Any, request: Any, result: Any, shift_blocks: int, requi
     coordinator = manager.coordinator
     groups = getattr(coordinator, "attention_groups", None)  # only the hybrid coordinator has them
     if hit_length <= 0 or groups is None or (require_eagle and not coordinator.eagle_group_ids):
-        return False
+        return []
     alignment = coordinator._cache_hit_alignment_tokens
-    changed = False
+    swaps = []
     for spec, group_ids, manager_cls, _use_eagle in groups:
         if not issubclass(manager_cls, MambaManager):
             continue
@@ -209,20 +431,26 @@ def _shift_hit(manager: Any, request: Any, result: Any, shift_blocks: int, requi
             alignment_tokens=alignment,
         )
         fine = alignment < block_size and block_size % alignment == 0
-        changed |= substitute_mamba_hit(
+        swap = _Swap(
             kv_blocks.blocks,
             group_ids,
-            hashes,
-            hit_length,
-            shift_blocks * block_size,
-            block_size,
-            alignment if fine else block_size,
-            block_pool.get_cached_block,
+            shifted_mamba_blocks(
+                kv_blocks.blocks,
+                group_ids,
+                hashes,
+                hit_length,
+                shift_blocks * block_size,
+                block_size,
+                alignment if fine else block_size,
+                block_pool.get_cached_block,
+            ),
         )
-    return changed
+        if swap.new_blocks is not None:
+            swaps.append(swap)
+    return swaps
 
 
-def _install_hit_shift(counter: FaultCounter, shift_blocks: int, require_eagle: bool) -> None:
+def _install_hit_shift(counter: FaultCounter, gate: SporadicGate, shift_blocks: int, require_eagle: bool) -> None:
     module = importlib.import_module(_MANAGER_MODULE)
     cls = module.KVCacheManager
 
@@ -230,9 +458,18 @@ def _install_hit_shift(counter: FaultCounter, shift_blocks: int, require_eagle: 
         @functools.wraps(original)
         def get_computed_blocks(self: Any, request: Any) -> Any:
             result = original(self, request)
-            if _shift_hit(self, request, result, shift_blocks, require_eagle):
+            swaps = _shift_candidates(self, request, result, shift_blocks, require_eagle)
+            if swaps:
+                # The request resumes from the block at the hit length: that block is the one poisoned.
+                tokens = request.all_token_ids
+                decision = gate.decide(request.request_id, tokens[: result[1]], tokens)
                 # One count per request: a waiting request may be looked up again before it runs.
-                counter.fire(request.request_id)
+                if decision.fires:
+                    for swap in swaps:
+                        swap.apply()
+                    counter.fire(request.request_id, decision.block)
+                else:
+                    counter.skip(request.request_id, decision.block)
             return result
 
         return get_computed_blocks
@@ -240,14 +477,14 @@ def _install_hit_shift(counter: FaultCounter, shift_blocks: int, require_eagle: 
     _patch(cls, "get_computed_blocks", make, counter.name)
 
 
-def _install_eagle_overrun(counter: FaultCounter) -> None:
+def _install_eagle_overrun(counter: FaultCounter, gate: SporadicGate) -> None:
     """The Mamba hit is the checkpoint one block past the eagle-capped hit length (A2)."""
-    _install_hit_shift(counter, shift_blocks=1, require_eagle=True)
+    _install_hit_shift(counter, gate, shift_blocks=1, require_eagle=True)
 
 
-def _install_stale_checkpoint(counter: FaultCounter) -> None:
+def _install_stale_checkpoint(counter: FaultCounter, gate: SporadicGate) -> None:
     """The Mamba hit is the checkpoint one block before the matched one."""
-    _install_hit_shift(counter, shift_blocks=-1, require_eagle=False)
+    _install_hit_shift(counter, gate, shift_blocks=-1, require_eagle=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -280,6 +517,8 @@ class _PendingCopy:
     block_ids: tuple[list[int], ...]  # the request's per-group block ids (the runner's live lists)
     src_col: int
     dst_col: int
+    prompt: Sequence[int]  # the request's prompt token ids (for the sporadic draw)
+    block_size: int
 
 
 class _ChunkEndFault:
@@ -287,8 +526,9 @@ class _ChunkEndFault:
 
     NULL_BLOCK_ID = 0  # vLLM's null block is the pool's first block
 
-    def __init__(self, counter: FaultCounter) -> None:
+    def __init__(self, counter: FaultCounter, gate: SporadicGate | None = None) -> None:
         self.counter = counter
+        self.gate = gate or SporadicGate(Sporadic())
         self.origins: dict[str, int] = {}  # req id -> num_computed_tokens when first scheduled
         self.pending: list[_PendingCopy] = []
         self.group_ids: list[int] = []
@@ -315,12 +555,13 @@ class _ChunkEndFault:
                 block_size,
             )
             if cols is not None:
-                self.pending.append(_PendingCopy(req_id, req_state.block_ids, *cols))
+                prompt = req_state.prompt_token_ids or ()  # None only for prompt embeddings
+                self.pending.append(_PendingCopy(req_id, req_state.block_ids, *cols, prompt, block_size))
 
     def run(self, kv_cache_config: Any, forward_context: dict[str, Any]) -> None:
         pending, self.pending = self.pending, []
         for copy in pending:
-            copied = False
+            pairs = []
             for gid in self.group_ids:
                 ids = copy.block_ids[gid]
                 if max(copy.src_col, copy.dst_col) >= len(ids):
@@ -328,18 +569,26 @@ class _ChunkEndFault:
                 src, dst = ids[copy.src_col], ids[copy.dst_col]
                 if self.NULL_BLOCK_ID in (src, dst) or src == dst:
                     continue
+                pairs.append((gid, src, dst))
+            if not pairs:
+                continue
+            key = (copy.req_id, copy.dst_col)
+            boundary = (copy.dst_col + 1) * copy.block_size  # the block whose snapshot is overwritten
+            decision = self.gate.decide(key, copy.prompt[:boundary], copy.prompt)
+            if not decision.fires:
+                self.counter.skip(key, decision.block)
+                continue
+            for gid, src, dst in pairs:
                 for layer_name in kv_cache_config.kv_cache_groups[gid].layer_names:
                     for state in forward_context[layer_name].kv_cache:
                         state[dst].copy_(state[src])  # conv window and temporal state, whole
-                copied = True
-            if copied:
-                self.counter.fire((copy.req_id, copy.dst_col))
+            self.counter.fire(key, decision.block)
 
 
-def _install_chunk_end_as_boundary(counter: FaultCounter) -> None:
+def _install_chunk_end_as_boundary(counter: FaultCounter, gate: SporadicGate) -> None:
     """The chunk-end state of a fragmented prefill overwrites the boundary snapshot before it (A1)."""
     module = importlib.import_module(_MAMBA_UTILS_MODULE)
-    fault = _ChunkEndFault(counter)
+    fault = _ChunkEndFault(counter, gate)
 
     def make_pre(original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
@@ -382,6 +631,7 @@ FAULTS: dict[str, Fault] = {
 }
 
 _counters: dict[str, FaultCounter] = {}
+_gates: dict[str, SporadicGate] = {}
 
 
 def _patch(owner: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], fault: str) -> bool:
@@ -403,8 +653,9 @@ def selected_fault() -> str | None:
 def install() -> str | None:
     """Install the fault named by BLACKBOX_FAULT; its name, or None if none is named.
 
-    Raises ValueError for an unknown name (vLLM then stops at start-up with this message). Installing
-    twice, in one process or across vLLM's processes, patches each function once and shares one counter.
+    Raises ValueError for an unknown name or a bad sporadic setting (vLLM then stops at start-up with this
+    message). Installing twice, in one process or across vLLM's processes, patches each function once and
+    shares one counter and one gate (the first install's sporadic setting).
     """
     name = selected_fault()
     if name is None:
@@ -413,7 +664,9 @@ def install() -> str | None:
     fault = FAULTS.get(name)
     if fault is None:
         raise ValueError(f"{FAULT_ENV}={name!r} names no known fault; known faults: {', '.join(FAULTS)}")
+    sporadic = Sporadic.from_env()
     counter = _counters.setdefault(name, FaultCounter(name))
-    fault.installer(counter)
-    logger.warning("blackbox faults: injecting %s (%s)", name, fault.mechanism)
+    gate = _gates.setdefault(name, SporadicGate(sporadic))
+    fault.installer(counter, gate)
+    logger.warning("blackbox faults: injecting %s (%s), %s", name, fault.mechanism, gate.sporadic.describe())
     return name

@@ -1,0 +1,1 @@
+"""Scripts for running blackbox on a lent GPU machine (see README "On a GPU")."""

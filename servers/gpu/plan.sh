@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# The GPU measurement, in the steps of bench/results/gpu.md; each step is one device call (< 10 minutes).
+#
+#   DEADLINE=$(( $(date +%s) + 540 )) servers/gpu/plan.sh STEP...   (steps run in order, each within DEADLINE)
+#
+#   start     start every variant at once (compiled+CUDA graphs, eager, no async scheduling, the CPU model);
+#             the gpu-tiny profile is eager, so the compiled ones pass --no-enforce-eager
+#   probe     wait for them, time a burst on each, pick the mode whose pair works (graph, else eager), and
+#             start the fault treatments in that mode
+#   clean     blackbox the clean triple of each working mode, seed ${SEEDS:-0} (concurrently)
+#   faults    blackbox each fault treatment against the clean control/reference of the mode
+#   start-all, measure, measure2: the one-wave variant of start/probe/clean/faults used on 2026-12-01
+#   kernels   the CPU kernel ports against vLLM's Triton kernels on identical inputs (not yet run)
+#
+# Servers are started detached and live until the machine goes back, so later steps reuse them. Each one
+# gets a fixed KV cache (--kv-cache-memory-bytes) instead of a memory fraction: they start concurrently on one
+# GPU, and vLLM's memory profiling would count a neighbour's allocations as its own. (The launcher's own
+# one-GPU mode, fractions started one by one, is what a user runs; see README "On a GPU".)
+set -uo pipefail
+W=${BBGPU_DIR:-/tmp/bbgpu}
+D="bash $W/bb/servers/gpu/device.sh"
+KV=(--gpu-memory-utilization 0.06 --kv-cache-memory-bytes 4294967296)
+CPU_MODEL=$W/models/tiny-qwen3next-s0-v2
+DEADLINE=${DEADLINE:-$(($(date +%s) + 540))} # epoch second by which this call must be done (then it packs)
+url() { echo "http://127.0.0.1:$1"; }
+healthy() { curl -sf -m 5 "$(url "$1")/health" >/dev/null; }
+left() { echo $((DEADLINE - $(date +%s))); }
+probe() { (cd "$W/bb" && python3 -m servers.gpu.probe --log-root "$W/logs" --out "$W/logs/probe.jsonl" "$@"); }
+mode_file=$W/mode
+
+bb_triple() { # NAME T C R SEED [extra blackbox args]
+    local name=$1 t=$2 c=$3 r=$4 seed=$5
+    shift 5
+    local args=(--treatment "$(url "$t")" --control "$(url "$c")" --conversations "${CONV:-24}" --seed "$seed")
+    [ "$r" != - ] && args+=(--reference "$(url "$r")")
+    local budget=$(($(left) - 5))
+    ((budget > ${BB_CAP:-100000})) && budget=$BB_CAP
+    if ((budget < 30)); then echo "skip blackbox $name: ${budget}s left"; return; fi
+    BB_TIMEOUT=$budget $D blackbox "$name" "${args[@]}" "$@"
+}
+
+
+start() {
+    $D serve t-graph treatment 8100 -- "${KV[@]}" --no-enforce-eager
+    $D serve c-graph control 8101 -- "${KV[@]}" --no-enforce-eager
+    $D serve r-graph reference 8102 -- "${KV[@]}" --no-enforce-eager
+    $D serve t-eager treatment 8110 -- "${KV[@]}" --enforce-eager
+    $D serve c-eager control 8111 -- "${KV[@]}" --enforce-eager
+    $D serve r-eager reference 8112 -- "${KV[@]}" --enforce-eager
+    $D serve t-noasync treatment 8120 -- "${KV[@]}" --no-enforce-eager --no-async-scheduling
+    # The CPU model (2 key = 2 value heads, block 48): the crawl and the crash of the first attempt.
+    $D serve t-cpumodel treatment 8130 --model "$CPU_MODEL" -- "${KV[@]}" --no-enforce-eager
+    $D serve r-cpumodel reference 8132 --model "$CPU_MODEL" -- "${KV[@]}" --no-enforce-eager
+}
+
+probe_step() {
+    $D wait $(($(left) - ${PROBE_RESERVE:-240})) 8100 8101 8102 8110 8111 8112 8120 8130
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+    local up=() pair
+    for pair in t-graph=8100 c-graph=8101 r-graph=8102 t-eager=8110 c-eager=8111 r-eager=8112 t-noasync=8120 \
+        t-cpumodel=8130 r-cpumodel=8132; do
+        healthy "${pair#*=}" && up+=("${pair%=*}=$(url "${pair#*=}")")
+    done
+    ((${#up[@]})) && probe --timeout 60 "${up[@]}"
+    # The mode whose pair answered the burst without failures, graph first.
+    python3 - "$W/logs/probe.jsonl" >"$mode_file" <<'PY'
+import json, os, sys
+rows = {}
+if os.path.exists(sys.argv[1]):
+    rows = {r["name"]: r for r in map(json.loads, open(sys.argv[1]))}
+ok = lambda n: n in rows and not rows[n].get("failed") and "error" not in rows[n]
+print(next((m for m in ("graph", "eager") if ok(f"t-{m}") and ok(f"c-{m}")), "none"))
+PY
+    local mode
+    mode=$(cat "$mode_file")
+    echo "mode: $mode"
+    [ "$mode" = none ] && return
+    local extra=()
+    [ "$mode" = graph ] && extra=(--no-enforce-eager)
+    $D serve f-eagle treatment 8140 --fault eagle-overrun -- "${KV[@]}" "${extra[@]}"
+    $D serve f-stale treatment 8150 --fault stale-checkpoint -- "${KV[@]}" "${extra[@]}"
+}
+
+clean() {
+    local seed
+    for seed in ${SEEDS:-0}; do
+        BB_CAP=${CLEAN_CAP:-100000}
+        healthy 8100 && healthy 8101 && healthy 8102 && bb_triple "clean-graph-s$seed" 8100 8101 8102 "$seed" &
+        healthy 8110 && healthy 8111 && healthy 8112 && bb_triple "clean-eager-s$seed" 8110 8111 8112 "$seed" &
+    done
+    wait
+}
+
+faults() {
+    local mode c r up=() pair
+    mode=$(cat "$mode_file")
+    if [ "$mode" = graph ]; then c=8101 r=8102; else c=8111 r=8112; fi
+    $D wait $(($(left) - ${FAULT_RESERVE:-200})) 8140 8150
+    for pair in f-eagle=8140 f-stale=8150; do
+        healthy "${pair#*=}" && up+=("${pair%=*}=$(url "${pair#*=}")")
+    done
+    ((${#up[@]})) && probe --timeout 45 --requests 4 "${up[@]}"
+    healthy 8140 && bb_triple "eagle-overrun-$mode-s0" 8140 $c $r 0 &
+    healthy 8150 && bb_triple "stale-checkpoint-$mode-s0" 8150 $c $r 0 &
+    wait
+    local f
+    for f in "$W"/logs/f-*/treatment.log; do echo "$f: $(grep -c 'BLACKBOX_FAULT fired' "$f") fired lines"; done
+}
+
+# No fragmented (cold-race, chunk-end-as-boundary) servers: vLLM 0.26 refuses a step budget below the block
+# size in align mode ("block_size (288) must be <= max_num_batched_tokens (96)"), and at or above it align
+# mode re-aligns chunk ends to block boundaries, so the A1 precondition cannot be produced on 0.26.
+# One wave: every variant and the fault treatments (eager, the mode CPU runs use) start together, so that a
+# fresh machine pays the ~200 s cold start (Triton autotuning, compile) once.
+start_all() {
+    $D serve t-graph treatment 8100 -- "${KV[@]}" --no-enforce-eager
+    $D serve c-graph control 8101 -- "${KV[@]}" --no-enforce-eager
+    $D serve r-graph reference 8102 -- "${KV[@]}" --no-enforce-eager
+    $D serve t-eager treatment 8110 -- "${KV[@]}" --enforce-eager
+    $D serve c-eager control 8111 -- "${KV[@]}" --enforce-eager
+    $D serve r-eager reference 8112 -- "${KV[@]}" --enforce-eager
+    $D serve t-cpumodel treatment 8130 --model "$CPU_MODEL" -- "${KV[@]}" --no-enforce-eager
+    $D serve f-eagle treatment 8140 --fault eagle-overrun -- "${KV[@]}" --enforce-eager
+    $D serve f-stale treatment 8150 --fault stale-checkpoint -- "${KV[@]}" --enforce-eager
+}
+
+# Probe every server, then every blackbox run at once: clean graph and eager triples, the four fault cases
+# against the eager control/reference.
+measure() {
+    $D wait $(($(left) - ${PROBE_RESERVE:-240})) 8100 8101 8102 8110 8111 8112 8130 8140 8150
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+    local up=() pair seed
+    for pair in t-graph=8100 c-graph=8101 r-graph=8102 t-eager=8110 c-eager=8111 r-eager=8112 t-cpumodel=8130 \
+        f-eagle=8140 f-stale=8150; do
+        healthy "${pair#*=}" && up+=("${pair%=*}=$(url "${pair#*=}")")
+    done
+    ((${#up[@]})) && probe --timeout 45 "${up[@]}"
+    for seed in ${SEEDS:-0}; do
+        healthy 8100 && healthy 8101 && healthy 8102 && bb_triple "clean-graph-s$seed" 8100 8101 8102 "$seed" &
+        healthy 8110 && healthy 8111 && healthy 8112 && bb_triple "clean-eager-s$seed" 8110 8111 8112 "$seed" &
+    done
+    # One fault run beside the clean ones: each control/reference serves 8 sequences at a time.
+    healthy 8140 && bb_triple eagle-overrun-eager-s0 8140 8111 8112 0 &
+    wait
+}
+
+measure2() {
+    healthy 8150 && bb_triple stale-checkpoint-eager-s0 8150 8111 8112 0 &
+    wait
+    local f
+    for f in "$W"/logs/f-*/treatment.log; do echo "$f: $(grep -c 'BLACKBOX_FAULT fired' "$f") fired lines"; done
+}
+
+for step in "$@"; do
+    echo "== $step ($(left) s left)"
+    case "$step" in
+    start) start ;;
+    start-all) start_all ;;
+    measure) measure ;;
+    measure2) measure2 ;;
+    kernels) (cd "$W/bb" && python3 -m servers.gpu.compare_kernels --seeds "${KERNEL_SEEDS:-200}") ;;
+    probe) probe_step ;;
+    clean) clean ;;
+    faults) faults ;;
+    *) echo "unknown step $step" >&2; exit 3 ;;
+    esac
+done

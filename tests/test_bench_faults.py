@@ -1,0 +1,111 @@
+"""The fault benchmark's bookkeeping: case selection, one outcome per seed, and the stated intervals."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+from engine_env import ROOT
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "bench" / "faults.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+def test_cases_cover_the_issue_8_targets() -> None:
+    names = {c.name for c in bench.CASES}
+    for fault in ("eagle-overrun", "stale-checkpoint", "chunk-end-as-boundary"):
+        assert fault in names
+        for fraction in ("0.2", "0.1"):
+            for shape in ("block", "restore"):
+                assert f"{fault} {fraction} {shape}" in names
+    assert {c.name for c in bench.select("false-alarm")} == {
+        "clean", "clean fragmented", "clean 1 spec token", "clean no reference", "clean cold-race",
+    }  # fmt: skip
+    assert [c.name for c in bench.select("stale-checkpoint 0.1*,clean")] == [
+        "clean", "stale-checkpoint 0.1 block", "stale-checkpoint 0.1 restore",
+    ]  # fmt: skip
+    assert len(bench.select("all")) == len(bench.CASES)
+    with pytest.raises(ValueError, match="no case"):
+        bench.select("eagle")
+
+
+def test_sporadic_cases_pass_their_knob_to_the_treatment_only() -> None:
+    case = next(c for c in bench.CASES if c.name == "eagle-overrun 0.1 restore")
+    assert case.treatment_env() == {
+        "BLACKBOX_FAULT_SPORADIC": "0.1", "BLACKBOX_FAULT_SHAPE": "restore", "BLACKBOX_FAULT_SEED": "0",
+    }  # fmt: skip
+    assert bench.select("clean")[0].treatment_env() == {}
+
+
+def test_intervals_are_exact_clopper_pearson() -> None:
+    # Zero false alarms bound the rate at 1 - 0.05^(1/n): 25.9% for 10 runs, 5.8% for 50.
+    assert bench.interval(0, 10, True) == "0/10 (0%, ≤ 25.9%)"
+    assert bench.interval(0, 50, True) == "0/50 (0%, ≤ 5.8%)"
+    assert bench.interval(19, 20, False) == "19/20 (95%, 75%–100%)"
+    assert bench.interval(0, 0, False) == "-"
+
+
+def _run(seed: int, length: int, status: str, error: str | None, **extra: Any) -> dict[str, Any]:
+    base = {
+        "case": "stale-checkpoint 0.1 block", "seed": seed, "length": length, "status": status,
+        "error_class": error, "caught_by": [], "needed": None, "fired": 2, "skipped": 18, "wall_s": 100.0,
+        "command": "python bench/faults.py", "date": "2026-12-01", "commit": "abc",
+    }  # fmt: skip
+    return {**base, **extra}
+
+
+def test_a_seed_counts_once_by_its_longest_run_and_a_redo_replaces_it(tmp_path: Path) -> None:
+    runs = [
+        _run(0, 32, "UNKNOWN", "InsufficientPower"),
+        _run(0, 64, "FAIL", "CorruptionDetected", caught_by=["logprob"], needed=40),
+        _run(1, 32, "PASS", None),
+        _run(1, 32, "FAIL", "CorruptionDetected", caught_by=["exactness"], needed=12),  # --redo
+    ]
+    path = tmp_path / "runs.jsonl"
+    for r in runs:
+        bench.append_run(path, r)
+    assert bench.load_runs(path) == runs
+    per_case = bench.latest_per_seed(bench.load_runs(path))
+    final = bench.final_runs(per_case["stale-checkpoint 0.1 block"])
+    assert [(r["seed"], r["length"], r["status"]) for r in final] == [(0, 64, "FAIL"), (1, 32, "FAIL")]
+    text = bench.table(runs)
+    row = next(line for line in text.splitlines() if line.startswith("| stale-checkpoint 0.1 block "))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[3] == "2"  # seeds
+    assert cells[4].startswith("2/2 (100%")
+    assert cells[7] == "exactness 1, logprob 1"
+    assert cells[8] == "12/26/40 conv"
+    assert cells[10] == "4/40 (10%)"
+    assert "False alarms over every clean run: -" in text  # no clean run recorded: no figure
+
+
+def test_an_underpowered_seed_is_extended_to_the_length_asked_within_the_cap() -> None:
+    multiturn = next(c for c in bench.CASES if c.name == "stale-checkpoint 0.1 block")
+    race = next(c for c in bench.CASES if c.name == "chunk-end-as-boundary 0.1 block")
+
+    def ext(case: Any, cap: int, asked: int | None, length: int = 32, error: str = "InsufficientPower") -> int | None:
+        record = _run(0, length, "UNKNOWN", error, asked=asked)
+        return bench.extension(case, record, SimpleNamespace(extend_to=cap))
+
+    assert ext(multiturn, 128, 80) == 80
+    assert ext(multiturn, 64, 80) == 64  # capped
+    assert ext(multiturn, 128, None) == 128  # nothing asked: the cap
+    assert ext(multiturn, 128, 20) == 33  # asked for less than was run: one longer at least
+    assert ext(multiturn, 0, 80) is None  # --extend-to not given
+    assert ext(multiturn, 128, 80, error="NoEvidence") is None
+    assert ext(multiturn, 64, 80, length=64) is None  # already at the cap
+    assert ext(race, 12, 15, length=3) == 8  # 15 rounds in all: 8 per prompt size
