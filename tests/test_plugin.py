@@ -139,11 +139,17 @@ def test_the_plugin_runs_each_probe_against_the_cpu_pair(cpu_fleet: Fleet, tmp_p
     """multiturn passes; the cold race against a treatment with the default step budget cannot fragment a
     prefill, so it fails as UNKNOWN (TriggerNotExercised), with its run folder, replay and the server's release."""
     junit = tmp_path / "junit.xml"
-    env = {"BLACKBOX_TREATMENT": cpu_fleet.urls["treatment"], "BLACKBOX_CONTROL": cpu_fleet.urls["control"]}
+    # A reference, and enough conversations for the logprob grader to have power: without them the verdict rule
+    # makes multiturn UNKNOWN (no grader of decode-written blocks), never PASS.
+    env = {
+        "BLACKBOX_TREATMENT": cpu_fleet.urls["treatment"],
+        "BLACKBOX_CONTROL": cpu_fleet.urls["control"],
+        "BLACKBOX_REFERENCE": cpu_fleet.urls["reference"],
+    }
     code, output = run_pytest(
         tmp_path,
         f"--junitxml={junit}",
-        "--blackbox-conversations=4",
+        "--blackbox-conversations=12",
         "--blackbox-seed=15",
         f"--blackbox-out={tmp_path / 'runs'}",
         "--blackbox-probe=multiturn",
