@@ -2,7 +2,7 @@
 # Assembles what the lent GPU machine needs into <checkout>/.gpu/{p1,p2,p3}, one folder per device call
 # (each call carries at most 64 MiB with the working tree). Run here, from the worktree whose code should run:
 #
-#   servers/gpu/assemble.sh /work/main        # the checkout the device tool sends
+#   servers/gpu/assemble.sh CHECKOUT          # the checkout the device tool sends
 #
 # p1, p2: vLLM 0.26.0 (the only release pinning torch 2.11.0, the device image's) without the FA2 library
 #         (Hopper runs FA3) and the vllm-rs binary: 377 MB unpacked, ~108 MiB as .tar.xz, split in two.
