@@ -1,6 +1,6 @@
 """The same faults on the real CPU pair: a proxy in front of each real vLLM server injects them.
 
-Small on purpose (treatment and control only, two short conversations per case): the fake pair covers the
+Small on purpose (the session's treatment and control, two short conversations per case): the fake pair covers the
 faults at breadth (tests/test_reliability.py); these prove the paths hold against real vLLM traffic, real
 /metrics pages and real timing.
 """
@@ -8,7 +8,6 @@ faults at breadth (tests/test_reliability.py); these prove the paths hold agains
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,6 @@ from fake_server import Kill, Proxy, Reply, Slow
 from test_reliability import CANARY, assert_consistent, run_cli
 
 from servers.launch import Fleet
-from servers.profiles import build_specs
-
-from engine_env import BASE_PORT, CACHE, ROOT
 
 pytestmark = pytest.mark.engine
 
@@ -28,13 +24,10 @@ SMALL = ("--conversations", "2", "--prompt-blocks", "2", "--answer-blocks", "1",
 COUNTER = re.compile(r"^(vllm:\S+_total(?:\{[^}]*\})?) (\S+)$", re.MULTILINE)
 
 
-@pytest.fixture(scope="module")
-def real_pair() -> Iterator[Fleet]:
-    log_dir = ROOT / "runs" / f"test-reliability-servers-{time.strftime('%Y%m%d-%H%M%S')}"
-    specs = build_specs("cpu-tiny", ("treatment", "control"), base_port=BASE_PORT, cache_dir=CACHE)
-    with Fleet(specs, log_dir) as fleet:
-        fleet.start()
-        yield fleet
+@pytest.fixture
+def real_pair(cpu_fleet: Fleet) -> Fleet:
+    # The session's pair: these faults live in the proxies, so the real servers stay as they were.
+    return cpu_fleet
 
 
 @pytest.fixture(autouse=True)
