@@ -59,24 +59,9 @@ def _version_key(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
-def state_dtype_args(version: str) -> tuple[str, ...]:
-    """Flags every role needs on `version` so the GDN state has the dtype its CPU kernel requires.
-
-    The CPU GDN prefill kernel (`chunk_gated_delta_rule_cpu`) takes only a float32 `initial_state`. 0.29+
-    switch the SSM cache to float32 whenever that kernel is used (AVX-512 BF16 CPUs); 0.28 did so only on
-    AMX CPUs, so on an AVX-512 BF16 CPU without AMX its "auto" SSM cache stayed bfloat16 and the first
-    prefill with an initial state died (`initial_state dtype mismatch`). Asking 0.28 for float32 gives it
-    the state dtype every later version picks by itself here, so nothing under test changes.
-    """
-    if _version_key(version) < (0, 29):
-        return ("--mamba-ssm-cache-dtype", "float32")
-    return ()
-
-
 def for_version(spec: ServerSpec, version: str, python: Path) -> ServerSpec:
-    """`spec` (built with `vllm_version=version`) served by `python`, the version's venv, plus the
-    version's state-dtype flags."""
-    spec = dataclasses.replace(spec, args=(*spec.args, *state_dtype_args(version)))
+    """`spec` (built with `vllm_version=version`, which adds the version's state-dtype flags) served by
+    `python`, the version's venv."""
     return dataclasses.replace(spec, command=(str(python), *spec.argv[1:]))
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "Profile",
     "ServerSpec",
     "build_specs",
+    "cpu_state_dtype_args",
     "flashinfer_fallback",
     "installed_vllm_version",
     "place_on_gpus",
@@ -172,6 +173,19 @@ def retention_args(vllm_version: str | None) -> tuple[str, ...]:
     return ()
 
 
+def cpu_state_dtype_args(vllm_version: str | None) -> tuple[str, ...]:
+    """Flags every CPU role needs on this vLLM version so the GDN state has the dtype its CPU kernel takes.
+
+    The CPU GDN prefill kernel (`chunk_gated_delta_rule_cpu`) takes only a float32 `initial_state`. 0.29+
+    switch the SSM cache to float32 whenever that kernel is used (AVX-512 BF16 CPUs); 0.28 did so only on
+    AMX CPUs, so elsewhere its "auto" SSM cache stayed bfloat16 and the first prefill with an initial state
+    died (`initial_state dtype mismatch`). Asking 0.28 for float32 gives it the state dtype every later
+    version picks by itself, so nothing under test changes."""
+    if vllm_version is not None and _version_tuple(vllm_version)[:2] < (0, 29):
+        return ("--mamba-ssm-cache-dtype", "float32")
+    return ()
+
+
 def flashinfer_fallback(has_flashinfer: bool) -> tuple[tuple[str, ...], dict[str, str]]:
     """(args, env) for a CUDA server without the flashinfer package.
 
@@ -260,7 +274,7 @@ def build_specs(
     role_device_args: dict[str, tuple[str, ...]]
     if prof.device == "cpu":
         role_env = _cpu_envs(roles)
-        role_device_args = {role: () for role in roles}
+        role_device_args = {role: cpu_state_dtype_args(version) for role in roles}
     else:
         placement = place_on_gpus(roles, tp, gpus, visible_gpu_count() if gpu_count is None else gpu_count)
         fallback_args, fallback_env = flashinfer_fallback(

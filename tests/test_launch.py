@@ -255,6 +255,23 @@ def test_retention_flag_only_where_the_version_has_it(tmp_path: Path, version: s
     assert all(profiles.RETENTION_ENV not in s.env for s in specs.values())
 
 
+@pytest.mark.parametrize(
+    ("version", "needed"), [("0.28.0", True), ("0.28.9", True), ("0.29.0", False), ("0.32.0", False), (None, False)]
+)
+def test_cpu_roles_ask_0_28_for_a_float32_ssm_state(tmp_path: Path, version: str | None, needed: bool) -> None:
+    """0.28 kept a bfloat16 SSM cache on CPUs without AMX, which its CPU GDN kernel rejects; later versions pick
+    float32 themselves. Every role gets the flag (the state dtype must not differ between arms); GPUs never do."""
+    cpu = build_specs("cpu-tiny", ROLES, model="/m", cache_dir=tmp_path, vllm_version=version)
+    for spec in cpu:
+        assert (_pair(spec.args, "--mamba-ssm-cache-dtype") == ("--mamba-ssm-cache-dtype", "float32")) == needed
+    gpu = build_specs("gpu-tiny", ROLES, model="/m", cache_dir=tmp_path, gpu_count=1, vllm_version=version)
+    assert all("--mamba-ssm-cache-dtype" not in spec.args for spec in gpu)
+
+
+def _pair(args: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    return tuple(args[args.index(flag) : args.index(flag) + 2]) if flag in args else ()
+
+
 def test_flashinfer_fallback_only_without_flashinfer(tmp_path: Path) -> None:
     without = build_specs("gpu-tiny", ROLES, model="/m", cache_dir=tmp_path, gpu_count=1, has_flashinfer=False)
     with_it = build_specs("gpu-tiny", ROLES, model="/m", cache_dir=tmp_path, gpu_count=1, has_flashinfer=True)
