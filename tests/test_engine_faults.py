@@ -21,7 +21,7 @@ CASES = {
     "chunk-end-as-boundary": ("cpu-tiny-fragmented", "cold-race", "race-divergence"),
 }
 SEEDS = (21, 22)
-# The multiturn faults need 6-20 conversations at full rate (bench/results/faults.md, "needed"); a 16-conversation
+# The multiturn faults need 6-26 conversations at full rate (bench/results/faults.md, "needed"); a 16-conversation
 # run of seed 22 graded eagle-overrun PASS, truthfully ("... in >= 67% of hits would have been detected"). These
 # tests check that the fault is caught, not the rate (the bench measures that at the default 32), so they run
 # well past the largest "needed" seen.
