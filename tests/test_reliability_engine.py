@@ -24,24 +24,19 @@ SMALL = ("--conversations", "2", "--prompt-blocks", "2", "--answer-blocks", "1",
 COUNTER = re.compile(r"^(vllm:\S+_total(?:\{[^}]*\})?) (\S+)$", re.MULTILINE)
 
 
-@pytest.fixture
-def real_pair(cpu_fleet: Fleet) -> Fleet:
-    # The session's pair: these faults live in the proxies, so the real servers stay as they were.
-    return cpu_fleet
-
-
 @pytest.fixture(autouse=True)
 def canary_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BLACKBOX_API_KEY", CANARY)
 
 
 @pytest.fixture
-def proxied(real_pair: Fleet) -> Iterator[Callable[..., tuple[str, str]]]:
+def proxied(cpu_fleet: Fleet) -> Iterator[Callable[..., tuple[str, str]]]:
+    """Proxies in front of the session's pair: the faults live in the proxies, so the real servers stay as they were."""
     started: list[Proxy] = []
 
     def start(**treatment: Any) -> tuple[str, str]:
-        t = Proxy(upstream=real_pair.urls["treatment"], echo_headers=True, **treatment).start()
-        c = Proxy(upstream=real_pair.urls["control"], echo_headers=True).start()
+        t = Proxy(upstream=cpu_fleet.urls["treatment"], echo_headers=True, **treatment).start()
+        c = Proxy(upstream=cpu_fleet.urls["control"], echo_headers=True).start()
         started.extend([t, c])
         return t.url, c.url
 
