@@ -51,6 +51,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=Grading.alpha, help="significance level (default 0.01)")
     p.add_argument("--min-trigger-fraction", type=float, default=Grading.min_trigger_fraction)
     p.add_argument(
+        "--compare-tokens",
+        type=int,
+        default=Grading.compare_tokens,
+        help="answer positions compared, hit against recomputation (default 4: the first token and the first "
+        "verification step; later ones drift apart on GPUs under speculative decoding)",
+    )
+    p.add_argument(
         "--probe",
         action="append",
         choices=PROBES,
@@ -127,7 +134,10 @@ def _parser() -> argparse.ArgumentParser:
 def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | None) -> RunConfig:
     shape = Shape(prompt_blocks=args.prompt_blocks, answer_blocks=args.answer_blocks)
     grading = Grading(
-        alpha=args.alpha, min_trigger_fraction=args.min_trigger_fraction, graders=tuple(args.grader or ())
+        alpha=args.alpha,
+        min_trigger_fraction=args.min_trigger_fraction,
+        graders=tuple(args.grader or ()),
+        compare_tokens=args.compare_tokens,
     )
     return RunConfig(
         treatment=urls["treatment"] or "",

@@ -22,7 +22,11 @@ one splits its share again over its own tests. Each PASS states what it could ha
 The deviation of a hit from its recomputation is the largest |Δ logprob| over every token both sides list (chosen
 and top-k) at each position up to and including the first differing token, infinite where the tokens part while
 recomputation was sure (its top-1 margin >= `hard_margin`): a wrong state moves runners-up and flips near-ties as
-readily as it moves the chosen token.
+readily as it moves the chosen token. Only the first `compare_tokens` positions count: a wrong restored state shows
+from the first token on, while later positions were verified in draft splits that differ between a hit and its
+twin, and on a GPU they drift apart further under speculative decoding than without it (measured on the H200: a
+clean treatment's deviations over whole answers reached 3 nat where its reference's stayed under 0.4, and read
+FAIL; over 4 positions the two matched, and both faults still gave p < 1e-7; bench/results/gpu.md).
 """
 
 from __future__ import annotations
@@ -45,11 +49,16 @@ Region = Callable[[Plan, int], bool]  # (plan, cached tokens) -> the hit ends in
 
 
 def samples(
-    history: History, arm: str, pairs: Sequence[tuple[str, str]], region: Region, hard_margin: float
+    history: History,
+    arm: str,
+    pairs: Sequence[tuple[str, str]],
+    region: Region,
+    hard_margin: float,
+    tokens: int | None = None,
 ) -> list[Sample]:
     """Hits of `arm` (request kinds `pairs`: hit, no-reuse twin) whose cached length lies in `region`, each
-    against its twin. Answers without logprobs are left out: two empty lists compare equal vacuously (a gate
-    reports them)."""
+    against its twin over the first `tokens` answer positions (None: all). Answers without logprobs are left
+    out: two empty lists compare equal vacuously (a gate reports them)."""
     out = []
     for plan in history.plans:
         for hit, fresh in pairs:
@@ -57,7 +66,8 @@ def samples(
             if a is None or b is None or not (a.ok and b.ok and a.tokens and b.tokens):
                 continue
             if region(plan, a.cached_tokens or 0):
-                out.append(Sample(plan.index, hit, deviation(a.tokens, b.tokens, hard_margin), a.tokens != b.tokens))
+                mine, theirs = a.tokens[:tokens], b.tokens[:tokens]
+                out.append(Sample(plan.index, hit, deviation(mine, theirs, hard_margin), mine != theirs))
     return out
 
 
@@ -90,8 +100,8 @@ def _versus_reference(history: History, grading: Grading, c: _Comparison, alpha:
             "needs a reference server (the treatment's flags without speculative decoding): without one this run "
             f"cannot measure how far a correct engine's {c.region} hits deviate from recomputation",
         )
-    t = samples(history, Arm.TREATMENT, c.pairs, c.where, grading.hard_margin)
-    r = samples(history, Arm.REFERENCE, c.pairs, c.where, grading.hard_margin)
+    t = samples(history, Arm.TREATMENT, c.pairs, c.where, grading.hard_margin, grading.compare_tokens)
+    r = samples(history, Arm.REFERENCE, c.pairs, c.where, grading.hard_margin, grading.compare_tokens)
     if not t or not r:
         return _not_used(c.check, f"no {c.region} hits to compare (treatment {len(t)}, reference {len(r)})")
     worst = sorted(t, key=lambda s: -s.deviation)[:5]
@@ -202,7 +212,7 @@ GRADER_COVERS_TRIGGER = {"exactness": False, "recall": True, "logprob": True, "r
 
 
 def _race(history: History, grading: Grading, alpha: float) -> Finding:
-    return race.race_divergence(history, history.races, alpha, grading.hard_margin)
+    return race.race_divergence(history, history.races, alpha, grading.hard_margin, grading.compare_tokens)
 
 
 @dataclass(frozen=True)

@@ -167,10 +167,12 @@ def _compare(e: Exchange | None, ref: Exchange | None, hard_margin: float, lengt
     return Sample(e.conversation, e.kind, deviation(mine, theirs, hard_margin), mine != theirs)
 
 
-def _samples(history: History, rounds: Sequence[RaceRound], hard_margin: float) -> tuple[list[Sample], list[Sample]]:
+def _samples(
+    history: History, rounds: Sequence[RaceRound], hard_margin: float, tokens: int | None = None
+) -> tuple[list[Sample], list[Sample]]:
     """Cold racers against recomputation, and follow-ups that hit against theirs. Racers decode much longer than
     follow-ups, and a longer answer has more positions to deviate at, so a racer is compared over as many tokens
-    as the round's longest follow-up answer: like against like."""
+    as the round's longest follow-up answer: like against like. Both over `tokens` positions at most."""
     cold: list[Sample] = []
     hit: list[Sample] = []
     for r in rounds:
@@ -182,6 +184,8 @@ def _samples(history: History, rounds: Sequence[RaceRound], hard_margin: float) 
             for f in range(r.followups)
         ]
         length = max((len(e.tokens) for e, _ in follows if e is not None and e.ok), default=0) or None
+        if tokens is not None:
+            length = min(length or tokens, tokens)
         fresh = history.get(r.index, Arm.TREATMENT, "race-fresh")
         for j in range(r.racers):
             e = history.get(r.index, Arm.TREATMENT, f"race-{j}")
@@ -189,17 +193,19 @@ def _samples(history: History, rounds: Sequence[RaceRound], hard_margin: float) 
             if sample is not None and e is not None and not e.cached_tokens:
                 cold.append(sample)
         for e, e_fresh in follows:
-            sample = _compare(e, e_fresh, hard_margin)
+            sample = _compare(e, e_fresh, hard_margin, tokens)
             if sample is not None and e is not None and e.cached_tokens:
                 hit.append(sample)
     return cold, hit
 
 
-def race_divergence(history: History, rounds: Sequence[RaceRound], alpha: float, hard_margin: float) -> Finding:
+def race_divergence(
+    history: History, rounds: Sequence[RaceRound], alpha: float, hard_margin: float, tokens: int | None = None
+) -> Finding:
     """Follow-ups that resumed from race-written blocks against cold racers (the race's own chunking noise). Where
     every cold racer is bit-identical to recomputation the engine is exact for this geometry, so the count test
     counts any difference; otherwise confident flips (see `evidence`)."""
-    cold, hit = _samples(history, rounds, hard_margin)
+    cold, hit = _samples(history, rounds, hard_margin, tokens)
     extra: dict[str, object] = {"distinct_outputs": _distinct_outputs(history, rounds)}
     if not hit or not cold:
         why = f"{len(hit)} follow-ups resumed from race-written blocks, {len(cold)} cold racers to calibrate on"

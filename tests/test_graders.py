@@ -408,6 +408,35 @@ def test_deviations_at_the_noise_floor_on_both_arms_pass_with_a_power_statement(
     assert finding.figures["detection_power"] == 0.95
 
 
+def _late_drift_history(position: int) -> History:
+    """Twelve conversations whose treatment hits drift 2 nats from recomputation at answer `position` (and a
+    confident flip right after), the reference's by noise only."""
+    exchanges: list[Exchange] = []
+    for i, noise in enumerate(NOISE):
+        fresh = h.tokens(*[-0.5] * 8, margin=3.0)
+        shifted = [-0.5 - noise] + [-0.5] * 7
+        exchanges += h.resumed(i, Arm.REFERENCE, cached=h.DECODE_HIT, hit=h.tokens(*shifted, margin=3.0), fresh=fresh)
+        drift = [-0.5 - noise] + [-0.5] * 7
+        drift[position] -= 2.0
+        words = [f"w{k}" for k in range(8)]
+        words[min(position + 1, 7)] = "x"
+        hit = h.tokens(*drift, words=words, margin=3.0)
+        exchanges += h.resumed(i, Arm.TREATMENT, cached=h.DECODE_HIT, hit=hit, fresh=fresh)
+    return h.history([h.plan(i) for i in range(len(NOISE))], exchanges)
+
+
+def test_positions_past_compare_tokens_are_not_compared() -> None:
+    # A GPU treatment's late answer positions drift under speculative decoding (draft splits differ between a hit
+    # and its twin); only the first `compare_tokens` positions are evidence about the restored state.
+    late = graders.logprob(_late_drift_history(GRADING.compare_tokens), GRADING)
+    assert late.status is Status.PASS, late.reason
+    assert late.figures["subject_deviation"]["max_finite"] == pytest.approx(max(NOISE))
+    whole = dataclasses.replace(GRADING, compare_tokens=8)
+    assert graders.logprob(_late_drift_history(GRADING.compare_tokens), whole).error_class == "CorruptionDetected"
+    early = graders.logprob(_late_drift_history(GRADING.compare_tokens - 1), GRADING)
+    assert early.error_class == "CorruptionDetected"
+
+
 def test_confident_token_flips_are_corruption() -> None:
     # Logprobs as noisy as the reference's up to position 2, where 10 treatment hits flip a token recomputation
     # was 3 nats sure of: infinite deviations, beyond every reference value, and counted by Fisher.

@@ -509,6 +509,7 @@ USAGE = [
     (["--alpha", "1.5"], r"--alpha must be between 0 and 1"),
     (["--alpha", "nan"], r"--alpha must be between 0 and 1"),
     (["--conversations", "0"], r"--conversations must be at least 1"),
+    (["--compare-tokens", "0"], r"--compare-tokens must be at least 1"),
     (["--racers", "-3"], r"--racers must be at least 2"),
     (["--request-timeout", "0"], r"--request-timeout must be at least 0\.1, got 0"),
     (["--deadline", "-1"], r"--deadline must be at least 1, got -1"),

@@ -10,7 +10,13 @@
 #   clean     blackbox the clean triple of each working mode, seed ${SEEDS:-0} (concurrently)
 #   faults    blackbox each fault treatment against the clean control/reference of the mode
 #   start-all, measure, measure2: the one-wave variant of start/probe/clean/faults used on 2026-12-01
-#   kernels   the CPU kernel ports against vLLM's Triton kernels on identical inputs (not yet run)
+#   kernels   the CPU kernel ports against vLLM's Triton kernels on identical inputs
+#   start-v2, verdicts: the verdict rule of issue 8 on the GPU (second sitting): one triple per blackbox run,
+#             so that no two runs share a server's counters: clean eager, eagle-overrun and stale-checkpoint
+#             eager (each with its own control and reference), clean PIECEWISE; plus the FULL-graph treatment
+#             without async scheduling, probed only
+#   onegpu    stop every server, then the launcher's own one-GPU mode (three roles, memory fractions, one by
+#             one) and a clean blackbox run against it
 #
 # Servers are started detached and live until the machine goes back, so later steps reuse them. Each one
 # gets a fixed KV cache (--kv-cache-memory-bytes) instead of a memory fraction: they start concurrently on one
@@ -19,6 +25,7 @@
 set -uo pipefail
 W=${BBGPU_DIR:-/tmp/bbgpu}
 D="bash $W/bb/servers/gpu/device.sh"
+export PYTHONPATH="$W/bb:$W/site${PYTHONPATH:+:$PYTHONPATH}" # what install put there (kernels, launcher)
 KV=(--gpu-memory-utilization 0.06 --kv-cache-memory-bytes 4294967296)
 CPU_MODEL=$W/models/tiny-qwen3next-s0-v2
 DEADLINE=${DEADLINE:-$(($(date +%s) + 540))} # epoch second by which this call must be done (then it packs)
@@ -151,6 +158,60 @@ measure2() {
     for f in "$W"/logs/f-*/treatment.log; do echo "$f: $(grep -c 'BLACKBOX_FAULT fired' "$f") fired lines"; done
 }
 
+# Second sitting: every blackbox run gets its own control and reference (a shared server's /metrics deltas
+# would mix two runs' traffic into each run's gates).
+PW=(--no-enforce-eager --compilation-config '{"cudagraph_mode":"PIECEWISE"}')
+start_v2() {
+    $D serve t-eager treatment 8110 -- "${KV[@]}" --enforce-eager
+    $D serve c-eager control 8111 -- "${KV[@]}" --enforce-eager
+    $D serve r-eager reference 8112 -- "${KV[@]}" --enforce-eager
+    $D serve f-eagle treatment 8140 --fault eagle-overrun -- "${KV[@]}" --enforce-eager
+    $D serve c-eagle control 8141 -- "${KV[@]}" --enforce-eager
+    $D serve r-eagle reference 8142 -- "${KV[@]}" --enforce-eager
+    $D serve f-stale treatment 8150 --fault stale-checkpoint -- "${KV[@]}" --enforce-eager
+    $D serve c-stale control 8151 -- "${KV[@]}" --enforce-eager
+    $D serve r-stale reference 8152 -- "${KV[@]}" --enforce-eager
+    $D serve t-pw treatment 8160 -- "${KV[@]}" "${PW[@]}"
+    $D serve c-pw control 8161 -- "${KV[@]}" "${PW[@]}"
+    $D serve r-pw reference 8162 -- "${KV[@]}" "${PW[@]}"
+    $D serve t-noasync treatment 8120 -- "${KV[@]}" --no-enforce-eager --no-async-scheduling
+}
+
+verdicts() {
+    local ports=(8110 8111 8112 8140 8141 8142 8150 8151 8152 8160 8161 8162 8120) up=() pair seed=${SEEDS:-0}
+    $D wait $(($(left) - ${PROBE_RESERVE:-240})) "${ports[@]}"
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+    for pair in t-eager=8110 t-pw=8160 t-noasync=8120; do
+        healthy "${pair#*=}" && up+=("${pair%=*}=$(url "${pair#*=}")")
+    done
+    ((${#up[@]})) && probe --timeout 45 "${up[@]}"
+    healthy 8110 && bb_triple "clean-eager-s$seed" 8110 8111 8112 "$seed" &
+    healthy 8140 && bb_triple "eagle-overrun-eager-s$seed" 8140 8141 8142 "$seed" &
+    healthy 8150 && bb_triple "stale-checkpoint-eager-s$seed" 8150 8151 8152 "$seed" &
+    healthy 8160 && bb_triple "clean-piecewise-s$seed" 8160 8161 8162 "$seed" &
+    wait
+    local f
+    for f in "$W"/logs/f-*/treatment.log; do echo "$f: $(grep -c 'BLACKBOX_FAULT fired' "$f") fired lines"; done
+}
+
+# What a user runs on a one-GPU host: the launcher places three roles on GPU 0 with a memory fraction each and
+# starts them one after another. Every other server is stopped first (by the PIDs of their launchers).
+onegpu() {
+    local pids
+    pids=$(pgrep -f "servers.launch --profile" | tr '\n' ' ')
+    [ -n "$pids" ] && kill $pids
+    sleep 15
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+    (cd "$W/bb" && exec setsid nohup python3 -m servers.launch --profile gpu-tiny \
+        --roles treatment,control,reference --base-port 8200 --cache-dir "$W/models" --log-dir "$W/logs/onegpu" \
+        --timeout 900) >"$W/logs/onegpu.launch" 2>&1 </dev/null &
+    $D wait $(($(left) - ${ONEGPU_RESERVE:-200})) 8200 8201 8202
+    cat "$W/logs/onegpu.launch"
+    python3 -c 'import json,sys; [print(r, s.get("env", {}).get("CUDA_VISIBLE_DEVICES"), s["argv"][s["argv"].index("--gpu-memory-utilization") + 1]) for r, s in json.load(open(sys.argv[1])).items()]' "$W/logs/onegpu/pids.json"
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+    healthy 8200 && healthy 8201 && healthy 8202 && bb_triple "clean-onegpu-s${SEEDS:-0}" 8200 8201 8202 "${SEEDS:-0}"
+}
+
 for step in "$@"; do
     echo "== $step ($(left) s left)"
     case "$step" in
@@ -158,6 +219,9 @@ for step in "$@"; do
     start-all) start_all ;;
     measure) measure ;;
     measure2) measure2 ;;
+    start-v2) start_v2 ;;
+    verdicts) verdicts ;;
+    onegpu) onegpu ;;
     kernels) (cd "$W/bb" && python3 -m servers.gpu.compare_kernels --seeds "${KERNEL_SEEDS:-200}") ;;
     probe) probe_step ;;
     clean) clean ;;
