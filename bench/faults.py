@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/faults.py [--cases all|GROUP|NAME|GLOB,...] [--seeds 20] [--seed-start 0]
         [--conversations 32] [--race-rounds 3] [--extend-to N] [--budget-min M] [--base-port 8300]
-        [--redo] [--git-commit] [--list]
+        [--redo] [--git-commit] [--list] [--keep-runs DIR]
+    .venv/bin/python bench/faults.py --regrade DIR      # re-judge the runs kept in DIR with this checkout's code
 
 Each case starts its own fleet (treatment, control and, unless the case says otherwise, reference), runs blackbox
 with the case's probe once per seed, and appends one JSON line per run to bench/results/faults-runs.jsonl as soon
@@ -10,7 +11,9 @@ as the run ends: verdict status, error class, the checks that failed (which grad
 conversations (race rounds) that still gave FAIL when re-judged from the same run, the fault's fires and
 skipped candidates during that run, the command, commit and date. bench/results/faults.md is then rebuilt from
 every line, one row per case: a sitting adds seeds to the rows of earlier sittings, so the benchmark can run in
-several sittings (seeds already recorded for a case at the same length are skipped unless --redo).
+several sittings (seeds already recorded for a case at the same length are skipped unless --redo). With
+--keep-runs each run's folder is kept, so that a change of the verdict rule can be re-judged on the same traffic
+(--regrade) instead of sending it again.
 
 Rates come with exact (Clopper-Pearson) 95% intervals from scipy.stats.binomtest(...).proportion_ci: two-sided
 for detection rates, one-sided (the upper bound) for false alarms, the figure that bounds a correct engine's
@@ -29,6 +32,7 @@ import fnmatch
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,7 +49,7 @@ from blackbox.config import RunConfig
 from blackbox.engine import judge, run
 from blackbox.history import History
 from blackbox.race import RaceSettings
-from blackbox.store import RunStore
+from blackbox.store import RunStore, load_history, load_preflight
 from blackbox.verdict import Status, Verdict
 from servers.launch import Fleet
 from servers.profiles import DEFAULT_SPECULATIVE_CONFIG, build_specs
@@ -162,7 +166,9 @@ def fault_counts(case: Case, fleet: Fleet) -> tuple[int, int]:
 def one_run(case: Case, fleet: Fleet, seed: int, length: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     config = run_config(case, fleet.urls, seed, args, length)
     fired0, skipped0 = fault_counts(case, fleet)
-    store = RunStore(out, f"{case.name.replace(' ', '_')}-s{seed}-n{length}")
+    folder = run_folder(out, case.name, seed, length)
+    shutil.rmtree(folder, ignore_errors=True)  # a stopped run's folder (never recorded), or one --redo replaces
+    store = RunStore(folder.parent, folder.name)
     started = time.monotonic()
     try:
         result = asyncio.run(run(config, store))
@@ -170,27 +176,57 @@ def one_run(case: Case, fleet: Fleet, seed: int, length: int, args: argparse.Nam
         store.close()
     wall = time.monotonic() - started
     fired1, skipped1 = fault_counts(case, fleet)
-    verdict = result.verdict
-    needed = None
-    if verdict.status is Status.FAIL and result.history is not None:
-        needed = smallest_failing(result.history, config)
     return {
         "case": case.name,
         "seed": seed,
         "probe": case.probe,
         "length": length,
+        **outcome(result.verdict, result.history, config),
+        "fired": fired1 - fired0,
+        "skipped": skipped1 - skipped0,
+        "wall_s": round(wall, 1),
+    }
+
+
+def outcome(verdict: Verdict, history: History | None, config: RunConfig) -> dict[str, Any]:
+    """The record's fields that the verdict decides."""
+    needed = None
+    if verdict.status is Status.FAIL and history is not None:
+        needed = smallest_failing(history, config)
+    return {
         "status": verdict.status.value,
         "error_class": verdict.error_class,
         "caught_by": caught_by(verdict),
         "unknown_checks": sorted({f.check for f in verdict.findings if f.status in (Status.UNKNOWN, Status.ERROR)}),
         "needed": needed,
         "asked": asked_length(verdict),
-        "fired": fired1 - fired0,
-        "skipped": skipped1 - skipped0,
-        "wall_s": round(wall, 1),
         "reason": verdict.reason[:300],
         "hint": verdict.hint[:300],
     }
+
+
+def run_folder(out: Path, case_name: str, seed: int, length: int) -> Path:
+    return out / f"{case_name.replace(' ', '_')}-s{seed}-n{length}"
+
+
+def regrade(args: argparse.Namespace, stamp: Mapping[str, str]) -> int:
+    """Re-judge, with this checkout's verdict code, every recorded run whose folder --keep-runs kept, and append
+    the new outcome (the traffic a run sent does not depend on the verdict code, so a rule change need not send
+    it again). The record keeps its fault counts and wall time, and names the commit it ran at; runs made by
+    this commit already, and runs whose folder is gone, are left as they are. Returns the runs re-judged."""
+    done = 0
+    for r in latest_per_seed_records(load_runs(args.runs)):
+        folder = run_folder(args.regrade, r["case"], r["seed"], r["length"])
+        if r["commit"] == stamp["commit"] or not (folder / "config.json").is_file():
+            continue
+        data, history = load_history(folder)
+        config = RunConfig.from_json(data)
+        verdict, _ = judge(history, config, load_preflight(folder))
+        ran_at = r.get("ran_at", r["commit"])
+        append_run(args.runs, {**r, **outcome(verdict, history, config), **stamp, "ran_at": ran_at})
+        done += 1
+        print(f"  {r['case']} seed {r['seed']} n={r['length']}: {r['status']} -> {verdict.status.value}", flush=True)
+    return done
 
 
 def asked_length(verdict: Verdict) -> int | None:
@@ -223,14 +259,19 @@ def append_run(path: Path, record: Mapping[str, Any]) -> None:
         f.write(json.dumps(record, sort_keys=True) + "\n")
 
 
-def latest_per_seed(runs: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
-    """Per case, one record per (seed, length): the latest (a --redo replaces an earlier run of that seed)."""
+def latest_per_seed_records(runs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """One record per (case, seed, length): the latest (a --redo or --regrade replaces an earlier one)."""
     by_key: dict[tuple[str, int, int], Mapping[str, Any]] = {}
     for r in runs:
         by_key[(r["case"], r["seed"], r["length"])] = r
+    return [r for _, r in sorted(by_key.items())]
+
+
+def latest_per_seed(runs: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Per case, the latest record of each (seed, length)."""
     cases: dict[str, list[Mapping[str, Any]]] = {}
-    for (case, _, _), r in sorted(by_key.items()):
-        cases.setdefault(case, []).append(r)
+    for r in latest_per_seed_records(runs):
+        cases.setdefault(r["case"], []).append(r)
     return cases
 
 
@@ -450,6 +491,9 @@ def main() -> int:
     parser.add_argument("--runs", type=Path, default=RUNS_FILE, help="the per-run records (JSON lines)")
     parser.add_argument("--table", type=Path, default=TABLE_FILE, help="the summary rebuilt from --runs")
     parser.add_argument("--keep-runs", type=Path, help="keep run folders and server logs here (default: discard)")
+    parser.add_argument(
+        "--regrade", type=Path, metavar="KEPT", help="re-judge the recorded runs kept in KEPT with this checkout's code"
+    )
     args = parser.parse_args()
     if args.list:
         for c in CASES:
@@ -465,7 +509,9 @@ def main() -> int:
         "commit": _commit(),
     }
     args.table.parent.mkdir(parents=True, exist_ok=True)
-    if args.keep_runs:
+    if args.regrade:
+        made = regrade(args, stamp)
+    elif args.keep_runs:
         args.keep_runs.mkdir(parents=True, exist_ok=True)
         made = sitting(cases, args, stamp, args.keep_runs)
     else:

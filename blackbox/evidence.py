@@ -3,7 +3,8 @@
 The subject (treatment hits) is compared with a yardstick measured in the same run on a correct-by-construction
 path (the reference's hits, or cold racers). Three one-sided tests share the grader's alpha equally:
 
-- Mann-Whitney U on the deviations: the whole distribution shifted (every hit a little wrong);
+- Mann-Whitney U on the deviations against the yardstick's scaled by SHIFT_MARGIN: the whole distribution shifted
+  by more than a correct engine's systematic differences (every hit a little wrong);
 - exceedance: some subject deviations beyond the yardstick's largest (a fault that fires in some hits only);
 - Fisher's exact test on a count: bit-level differences where the yardstick is exact, confident token flips
   where it is not.
@@ -28,6 +29,13 @@ from blackbox.verdict import Finding
 __all__ = ["POWER", "Sample", "judge_samples", "summary"]
 
 POWER = 0.95
+# The shift test asks for a shift beyond 1.25x the yardstick's deviations. A correct treatment can deviate a
+# little more than its reference everywhere: on the H200 its prefill-region hits were bit-identical to
+# recomputation in 1 of 32 where the reference's were in 13, both otherwise within one bf16 step (0.0625 nat),
+# and Mann-Whitney read that as a shift (p = 0.0044 at 32 conversations; at the 70 a PASS suggests for 20% it
+# would read FAIL). With the margin that run gives p = 0.36, and both GPU faults still p < 1e-7 (gpu.md).
+# The exceedance test keeps the yardstick's largest as is: it is the one for sporadic faults.
+SHIFT_MARGIN = 1.25
 _TESTS = ("deviation shift", "deviations beyond the yardstick", "count")
 
 
@@ -77,7 +85,7 @@ def judge_samples(
     s_count = sum(getattr(s, counted) for s in subject)
     y_count = sum(getattr(s, counted) for s in yardstick)
     tests = [
-        stats.mann_whitney_greater(sx, yx),
+        stats.mann_whitney_greater(sx, [SHIFT_MARGIN * y for y in yx]),
         stats.exceedance(sx, yx),
         stats.fisher_greater(s_count, len(subject) - s_count, y_count, len(yardstick) - y_count),
     ]
@@ -86,6 +94,7 @@ def judge_samples(
     figures = {
         **base,
         "alpha_per_test": level,
+        "shift_margin": SHIFT_MARGIN,
         "subject_deviation": summary(sx),
         "yardstick_deviation": summary(yx),
         "counted": counted,

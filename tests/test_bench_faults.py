@@ -109,3 +109,34 @@ def test_an_underpowered_seed_is_extended_to_the_length_asked_within_the_cap() -
     assert ext(multiturn, 128, 80, error="NoEvidence") is None
     assert ext(multiturn, 64, 80, length=64) is None  # already at the cap
     assert ext(race, 12, 15, length=3) == 8  # 15 rounds in all: 8 per prompt size
+
+
+def test_regrade_rejudges_kept_runs_of_other_commits_and_keeps_their_traffic_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from blackbox.verdict import Finding, Status, Verdict
+
+    kept = tmp_path / "kept"
+    for seed in (0, 1):  # seed 2's folder is gone
+        folder = bench.run_folder(kept, "stale-checkpoint 0.1 block", seed, 32)
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+    path = tmp_path / "runs.jsonl"
+    old = [_run(0, 32, "FAIL", "CorruptionDetected", caught_by=["exactness"]), _run(2, 32, "PASS", None)]
+    for r in [*old, _run(1, 32, "PASS", None, commit="new")]:  # seed 1: judged by this commit already
+        bench.append_run(path, r)
+    judged: list[Path] = []
+    verdict = Verdict(Status.PASS, "every gate passed", None, (Finding.passed("logprob", "fine"),), 0)
+    monkeypatch.setattr(bench, "load_history", lambda folder: (judged.append(folder) or {}, None))
+    monkeypatch.setattr(bench.RunConfig, "from_json", classmethod(lambda cls, data: None))
+    monkeypatch.setattr(bench, "load_preflight", lambda folder: [])
+    monkeypatch.setattr(bench, "judge", lambda history, config, preflight: (verdict, None))
+    args = SimpleNamespace(runs=path, regrade=kept)
+    stamp = {"command": "python bench/faults.py --regrade kept", "date": "2026-12-02", "commit": "new"}
+
+    assert bench.regrade(args, stamp) == 1
+    assert judged == [bench.run_folder(kept, "stale-checkpoint 0.1 block", 0, 32)]
+    latest = {r["seed"]: r for r in bench.latest_per_seed_records(bench.load_runs(path))}
+    assert (latest[0]["status"], latest[0]["caught_by"], latest[0]["commit"]) == ("PASS", [], "new")
+    assert (latest[0]["ran_at"], latest[0]["fired"], latest[0]["wall_s"]) == ("abc", 2, 100.0)
+    assert latest[2] == old[1]  # no folder: left as it was

@@ -437,6 +437,21 @@ def test_positions_past_compare_tokens_are_not_compared() -> None:
     assert early.error_class == "CorruptionDetected"
 
 
+def test_a_small_systematic_shift_is_not_corruption_a_large_one_is() -> None:
+    # As measured on the H200: the reference's hits bit-identical to recomputation in 13 of 32, the treatment's in
+    # 1, all others one bf16 step (0.0625 nat) away. A correct engine's systematic difference, not corruption.
+    reference = [0.0] * 13 + [0.0625] * 19
+    treatment = [0.0] + [0.0625] * 31
+    assert sp.mannwhitneyu(treatment, reference, alternative="greater").pvalue < LEVEL  # an unmargined shift test
+    finding = graders.logprob(logprob_history(treatment, reference), GRADING)
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["shift_margin"] == 1.25
+    # Every hit one step beyond the reference's largest: the shift test catches it (so does exceedance).
+    large = graders.logprob(logprob_history([0.125] * 32, reference), GRADING)
+    assert large.error_class == "CorruptionDetected"
+    assert large.figures["p_values"]["deviation shift"] < LEVEL
+
+
 def test_confident_token_flips_are_corruption() -> None:
     # Logprobs as noisy as the reference's up to position 2, where 10 treatment hits flip a token recomputation
     # was 3 nats sure of: infinite deviations, beyond every reference value, and counted by Fisher.

@@ -3,17 +3,19 @@
     python -m servers.gpu.compare_kernels [--seeds 200]          # on a CUDA machine with vLLM installed
     python -m servers.gpu.compare_kernels --cpu --seeds 20       # plumbing check: the port on both sides
 
-Inputs are tests/test_cpu_kernels.py's random caches (the same seed gives the same bytes): one copy stays in
-host memory for the port, one goes to the GPU for the Triton kernel, launched on the grid vLLM uses
-(requests x states). Both backing buffers must come out byte-identical, and so must the updated accepted
-counts. Covers the V1 postprocess path (what align mode with spec decode runs; no index mapping, as vLLM's
-V1 runner launches it) and the precopy kernel with an identity mapping (vLLM 0.26's precopy always takes one).
+Inputs are tests/test_cpu_kernels.py's random caches (the same seed gives the same bytes): one copy stays in host
+memory for the port, one goes to the GPU for the Triton kernel, launched on the grid vLLM uses (requests x states);
+on the GPU, state sizes are rounded to 16 elements, as vLLM's pages are aligned. Both backing buffers must come out
+byte-identical, and so must the updated accepted counts. Covers the V1 postprocess path (what align mode with spec
+decode runs; no index mapping, as vLLM's V1 runner launches it) and the precopy kernel with an identity mapping
+(vLLM 0.26's precopy always takes one).
 Prints one line per case and a total; exit 1 on any difference.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import inspect
 import random
@@ -79,6 +81,10 @@ def compare(
     """One random case through (postprocess, precopy): `ports` on host memory, `kernels` on `device`."""
     rng = random.Random(seed)
     specs, num_groups = harness.random_specs(rng)
+    if device != "cpu":
+        # vLLM's pages and state rows are 16-byte aligned; the harness's odd sizes (dim 1-9, 3 padding elements)
+        # are fine for the port but make the Triton kernel's loads fault with "misaligned address".
+        specs = [dataclasses.replace(s, dim=-(-s.dim // 16) * 16, padded=False) for s in specs]
     dim_first = rng.random() < 0.3
     block_size, num_spec = rng.choice([2, 4, 16]), rng.randint(1, 3)
     num_reqs = rng.randint(1, harness.MAX_REQS)
