@@ -1,6 +1,7 @@
 """Summarise GPU run folders: verdict, trigger, acceptance, and hit-vs-recompute deviations by region.
 
     python -m servers.gpu.analyze RUN_DIR...
+    python -m servers.gpu.analyze --positions RUN_DIR...    # the graders' tests by answer positions compared
 
 Per run, for each arm that sent both a cache-hit request and its no-reuse twin (fresh cache_salt) on the same
 server: how many pairs are bit-identical (tokens, logprobs, top-k), the first-token deviation (largest |Δ
@@ -17,8 +18,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from blackbox import stats
 from blackbox.compare import deviation
-from blackbox.history import History, Kind
+from blackbox.graders import _EXACTNESS, _LOGPROB, samples
+from blackbox.history import Arm, History, Kind
 from blackbox.store import load_history
 
 PAIRS = ((Kind.PROBE, Kind.PROBE_FRESH), (Kind.TURN2, Kind.TURN2_FRESH))
@@ -89,10 +92,31 @@ def summarise(run_dir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def by_positions(run_dir: Path, counts: Sequence[int | None] = (1, 2, 4, 8, None)) -> str:
+    """Treatment against reference, per region, comparing only the first N answer positions (None: whole
+    answers): the exceedance and (unmargined) Mann-Whitney p-values the graders' tests give at each N."""
+    _, history = load_history(run_dir)
+    lines = [f"{run_dir.parent.name}: exceedance p (shift p) by positions compared", ""]
+    lines += ["| positions | prefill region | decode region |", "|---|---|---|"]
+    for n in counts:
+        cells = []
+        for c in (_EXACTNESS, _LOGPROB):
+            t = [x.deviation for x in samples(history, Arm.TREATMENT, c.pairs, c.where, 1.0, n)]
+            r = [x.deviation for x in samples(history, Arm.REFERENCE, c.pairs, c.where, 1.0, n)]
+            if not t or not r:
+                cells.append("-")
+                continue
+            exceed, shift = stats.exceedance(t, r).p_value, stats.mann_whitney_greater(t, r).p_value
+            cells.append(f"{exceed:.2g} ({shift:.2g})")
+        lines.append(f"| {n or 'whole answer'} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    for run in args:
-        print(summarise(Path(run)))
+    positions = "--positions" in args
+    for run in (a for a in args if a != "--positions"):
+        print(by_positions(Path(run)) if positions else summarise(Path(run)))
     return 0
 
 
