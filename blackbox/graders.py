@@ -43,7 +43,17 @@ from blackbox.gates import in_decode_region, in_prefill_region, reaches_decode_r
 from blackbox.history import Arm, History, Kind, Plan
 from blackbox.verdict import Finding, Status
 
-__all__ = ["GRADER_COVERS_TRIGGER", "Grades", "exactness", "grade", "logprob", "recall", "samples"]
+__all__ = [
+    "EXACTNESS",
+    "GRADER_COVERS_TRIGGER",
+    "LOGPROB",
+    "Grades",
+    "exactness",
+    "grade",
+    "logprob",
+    "recall",
+    "samples",
+]
 
 Region = Callable[[Plan, int], bool]  # (plan, cached tokens) -> the hit ends in the region
 
@@ -81,16 +91,16 @@ class _Comparison:
 
 _BOTH = ((Kind.PROBE, Kind.PROBE_FRESH), (Kind.TURN2, Kind.TURN2_FRESH))
 # A turn-2 hit that stops inside the prompt (a missing decode checkpoint) is a prefill-region hit like the probe.
-_EXACTNESS = _Comparison("exactness", "prefill-region", _BOTH, in_prefill_region)
-_LOGPROB = _Comparison("logprob", "decode-region", _BOTH[1:], in_decode_region)
+EXACTNESS = _Comparison("exactness", "prefill-region", _BOTH, in_prefill_region)
+LOGPROB = _Comparison("logprob", "decode-region", _BOTH[1:], in_decode_region)
 
 
 def exactness(history: History, grading: Grading, alpha: float | None = None) -> Finding:
-    return _versus_reference(history, grading, _EXACTNESS, grading.alpha if alpha is None else alpha)
+    return _versus_reference(history, grading, EXACTNESS, grading.alpha if alpha is None else alpha)
 
 
 def logprob(history: History, grading: Grading, alpha: float | None = None) -> Finding:
-    return _versus_reference(history, grading, _LOGPROB, grading.alpha if alpha is None else alpha)
+    return _versus_reference(history, grading, LOGPROB, grading.alpha if alpha is None else alpha)
 
 
 def _versus_reference(history: History, grading: Grading, c: _Comparison, alpha: float) -> Finding:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from blackbox import stats
 from blackbox.compare import deviation
-from blackbox.graders import _EXACTNESS, _LOGPROB, samples
+from blackbox.graders import EXACTNESS, LOGPROB, samples
 from blackbox.history import Arm, History, Kind
 from blackbox.store import load_history
 
@@ -100,7 +100,7 @@ def by_positions(run_dir: Path, counts: Sequence[int | None] = (1, 2, 4, 8, None
     lines += ["| positions | prefill region | decode region |", "|---|---|---|"]
     for n in counts:
         cells = []
-        for c in (_EXACTNESS, _LOGPROB):
+        for c in (EXACTNESS, LOGPROB):
             t = [x.deviation for x in samples(history, Arm.TREATMENT, c.pairs, c.where, 1.0, n)]
             r = [x.deviation for x in samples(history, Arm.REFERENCE, c.pairs, c.where, 1.0, n)]
             if not t or not r:
