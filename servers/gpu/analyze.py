@@ -12,6 +12,7 @@ CPU vLLM is bit-exact) or in the decode-written region. Prints a Markdown table.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -113,10 +114,12 @@ def by_positions(run_dir: Path, counts: Sequence[int | None] = (1, 2, 4, 8, None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    positions = "--positions" in args
-    for run in (a for a in args if a != "--positions"):
-        print(by_positions(Path(run)) if positions else summarise(Path(run)))
+    p = argparse.ArgumentParser(prog="python -m servers.gpu.analyze", description=__doc__.splitlines()[0])
+    p.add_argument("--positions", action="store_true", help="the graders' tests by answer positions compared")
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    args = p.parse_args(argv)
+    for run in args.runs:
+        print(by_positions(run) if args.positions else summarise(run))
     return 0
 
 
