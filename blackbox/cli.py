@@ -54,8 +54,9 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--compare-tokens",
         type=int,
         default=Grading.compare_tokens,
-        help="answer positions compared, hit against recomputation (default 4: the first token and the first "
-        "verification step; later ones drift apart on GPUs under speculative decoding)",
+        help="answer positions compared, hit against recomputation (default: the first token and the first "
+        "verification step, 2 + the treatment's speculative tokens, 4 if its /metrics does not say; later ones "
+        "drift apart on GPUs under speculative decoding)",
     )
     p.add_argument(
         "--probe",

@@ -26,10 +26,11 @@ class Grading:
     min_control_recall: float = 0.5
     hard_margin: float = 1.0  # nats: a divergence where the no-reuse arm was this sure is not a near-tie
     # Answer positions compared, hit against its no-reuse twin: the first token (the prefill that resumes from the
-    # hit) and the first verification step of 2 speculative tokens. Later positions were verified in draft
-    # splits that differ between the two (acceptance depends on the numerics), so on GPUs they drift apart on a
-    # correct engine, more under speculative decoding than without: the reference would not be a fair yardstick.
-    compare_tokens: int = 4
+    # hit) and the first verification step, 1 + k tokens for k speculative tokens. Later positions were verified
+    # in draft splits that differ between the two (acceptance depends on the numerics), so on GPUs they drift
+    # apart on a correct engine, more under speculative decoding than without: the reference would not be a fair
+    # yardstick. None: 2 + k, k read from the treatment's /metrics (graders.compared_positions).
+    compare_tokens: int | None = None
     graders: tuple[str, ...] = ()  # empty: auto
 
 
@@ -63,7 +64,10 @@ class RunConfig:
         _require(self.concurrency >= 1, "--concurrency must be at least 1")
         _require(self.block_size is None or self.block_size > 0, "--block-size must be positive")
         _require(0 < self.grading.alpha < 1, "--alpha must be between 0 and 1")
-        _require(self.grading.compare_tokens >= 1, "--compare-tokens must be at least 1")
+        _require(
+            self.grading.compare_tokens is None or self.grading.compare_tokens >= 1,
+            "--compare-tokens must be at least 1",
+        )
         _require(0 < self.grading.min_trigger_fraction <= 1, "--min-trigger-fraction must be in (0, 1]")
         _require(bool(self.probes), "name at least one --probe")
         for p in self.probes:

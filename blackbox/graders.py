@@ -22,11 +22,13 @@ one splits its share again over its own tests. Each PASS states what it could ha
 The deviation of a hit from its recomputation is the largest |Δ logprob| over every token both sides list (chosen
 and top-k) at each position up to and including the first differing token, infinite where the tokens part while
 recomputation was sure (its top-1 margin >= `hard_margin`): a wrong state moves runners-up and flips near-ties as
-readily as it moves the chosen token. Only the first `compare_tokens` positions count: a wrong restored state shows
-from the first token on, while later positions were verified in draft splits that differ between a hit and its
-twin, and on a GPU they drift apart further under speculative decoding than without it (measured on the H200: a
-clean treatment's deviations over whole answers reached 3 nat where its reference's stayed under 0.4, and read
-FAIL; over 4 positions the two matched, and both faults still gave p < 1e-7; bench/results/gpu.md).
+readily as it moves the chosen token. Only the first `compare_tokens` positions count (by default the first token
+and the first verification step: 2 + the treatment's speculative tokens per draft, read from its /metrics; 4 if
+/metrics does not say): a wrong restored state shows from the first token on, while later positions were verified
+in draft splits that differ between a hit and its twin, and on a GPU they drift apart further under speculative
+decoding than without it (measured on the H200: a clean treatment's deviations over whole answers reached 3 nat
+where its reference's stayed under 0.4, and read FAIL; over 4 positions the two matched, and both faults still
+gave p < 1e-7; bench/results/gpu.md).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from blackbox import errors, race, stats
+from blackbox import errors, metrics, race, stats
 from blackbox.compare import deviation
 from blackbox.config import GRADERS, Grading
 from blackbox.evidence import POWER, Sample, judge_samples
@@ -48,6 +50,7 @@ __all__ = [
     "GRADER_COVERS_TRIGGER",
     "LOGPROB",
     "Grades",
+    "compared_positions",
     "exactness",
     "grade",
     "logprob",
@@ -81,6 +84,24 @@ def samples(
     return out
 
 
+# Without speculative-decoding counters: the first token and one verification step of 2 speculative tokens.
+DEFAULT_COMPARED = 4
+
+
+def compared_positions(history: History, grading: Grading) -> int:
+    """Answer positions to compare: as asked (--compare-tokens), else the first token (the prefill that resumes
+    from the hit) and the first verification step, 1 + k tokens for the treatment's k speculative tokens per
+    draft (drafted tokens / drafts on its /metrics over the run)."""
+    if grading.compare_tokens is not None:
+        return grading.compare_tokens
+    delta = history.deltas.get(Arm.TREATMENT)
+    drafts = delta.value(metrics.DRAFTS) if delta else None
+    drafted = delta.value(metrics.DRAFT_TOKENS) if delta else None
+    if not drafts or drafted is None or drafted < drafts:
+        return DEFAULT_COMPARED
+    return 2 + round(drafted / drafts)
+
+
 @dataclass(frozen=True)
 class _Comparison:
     check: str
@@ -110,21 +131,30 @@ def _versus_reference(history: History, grading: Grading, c: _Comparison, alpha:
             "needs a reference server (the treatment's flags without speculative decoding): without one this run "
             f"cannot measure how far a correct engine's {c.region} hits deviate from recomputation",
         )
-    t = samples(history, Arm.TREATMENT, c.pairs, c.where, grading.hard_margin, grading.compare_tokens)
-    r = samples(history, Arm.REFERENCE, c.pairs, c.where, grading.hard_margin, grading.compare_tokens)
+    n = compared_positions(history, grading)
+    t = samples(history, Arm.TREATMENT, c.pairs, c.where, grading.hard_margin, n)
+    r = samples(history, Arm.REFERENCE, c.pairs, c.where, grading.hard_margin, n)
     if not t or not r:
         return _not_used(c.check, f"no {c.region} hits to compare (treatment {len(t)}, reference {len(r)})")
     worst = sorted(t, key=lambda s: -s.deviation)[:5]
-    return judge_samples(
-        c.check,
-        t,
-        r,
-        alpha=alpha,
-        what=f"treatment {c.region} hits",
-        against="the reference's",
-        runs=len(history.plans),
-        hint=f"replay conversations {[s.unit for s in worst]} (the largest deviations) from the run folder's replay/",
+    return _with_positions(
+        n,
+        judge_samples(
+            c.check,
+            t,
+            r,
+            alpha=alpha,
+            what=f"treatment {c.region} hits",
+            against="the reference's",
+            runs=len(history.plans),
+            hint=f"replay conversations {[s.unit for s in worst]} (the largest deviations) from the run folder's "
+            "replay/",
+        ),
     )
+
+
+def _with_positions(n: int, finding: Finding) -> Finding:
+    return replace(finding, figures={**finding.figures, "compared_positions": n})
 
 
 def _recalled(text: str, answer: str) -> bool:
@@ -222,7 +252,8 @@ GRADER_COVERS_TRIGGER = {"exactness": False, "recall": True, "logprob": True, "r
 
 
 def _race(history: History, grading: Grading, alpha: float) -> Finding:
-    return race.race_divergence(history, history.races, alpha, grading.hard_margin, grading.compare_tokens)
+    n = compared_positions(history, grading)
+    return _with_positions(n, race.race_divergence(history, history.races, alpha, grading.hard_margin, n))
 
 
 @dataclass(frozen=True)

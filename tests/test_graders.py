@@ -17,6 +17,7 @@ from blackbox.compare import deviation
 from blackbox.config import Grading
 from blackbox.gates import in_prefill_region
 from blackbox.history import Arm, Exchange, History, Kind, TokenLogprob
+from blackbox.metrics import MetricsDelta
 from blackbox.verdict import Finding, Status, merge
 
 import histories as h
@@ -408,7 +409,7 @@ def test_deviations_at_the_noise_floor_on_both_arms_pass_with_a_power_statement(
     assert finding.figures["detection_power"] == 0.95
 
 
-def _late_drift_history(position: int) -> History:
+def _late_drift_history(position: int, deltas: dict[str, MetricsDelta] | None = None) -> History:
     """Twelve conversations whose treatment hits drift 2 nats from recomputation at answer `position` (and a
     confident flip right after), the reference's by noise only."""
     exchanges: list[Exchange] = []
@@ -422,19 +423,42 @@ def _late_drift_history(position: int) -> History:
         words[min(position + 1, 7)] = "x"
         hit = h.tokens(*drift, words=words, margin=3.0)
         exchanges += h.resumed(i, Arm.TREATMENT, cached=h.DECODE_HIT, hit=hit, fresh=fresh)
-    return h.history([h.plan(i) for i in range(len(NOISE))], exchanges)
+    return h.history([h.plan(i) for i in range(len(NOISE))], exchanges, deltas)
 
 
 def test_positions_past_compare_tokens_are_not_compared() -> None:
     # A GPU treatment's late answer positions drift under speculative decoding (draft splits differ between a hit
-    # and its twin); only the first `compare_tokens` positions are evidence about the restored state.
-    late = graders.logprob(_late_drift_history(GRADING.compare_tokens), GRADING)
+    # and its twin); only the first token and the first verification step are evidence about the restored state.
+    two_tokens = {Arm.TREATMENT: h.live_delta()}  # 600 drafted tokens in 300 drafts: 2 speculative tokens
+    late = graders.logprob(_late_drift_history(4, two_tokens), GRADING)
     assert late.status is Status.PASS, late.reason
+    assert late.figures["compared_positions"] == 4
     assert late.figures["subject_deviation"]["max_finite"] == pytest.approx(max(NOISE))
     whole = dataclasses.replace(GRADING, compare_tokens=8)
-    assert graders.logprob(_late_drift_history(GRADING.compare_tokens), whole).error_class == "CorruptionDetected"
-    early = graders.logprob(_late_drift_history(GRADING.compare_tokens - 1), GRADING)
-    assert early.error_class == "CorruptionDetected"
+    assert graders.logprob(_late_drift_history(4, two_tokens), whole).error_class == "CorruptionDetected"
+    assert graders.logprob(_late_drift_history(3, two_tokens), GRADING).error_class == "CorruptionDetected"
+    # With 1 speculative token the first verification step ends at position 3: position 4 (index 3) is later.
+    one_token = {Arm.TREATMENT: h.live_delta(DRAFT_TOKENS=300)}
+    assert graders.logprob(_late_drift_history(3, one_token), GRADING).status is Status.PASS
+    assert graders.logprob(_late_drift_history(2, one_token), GRADING).error_class == "CorruptionDetected"
+
+
+@pytest.mark.parametrize(
+    ("deltas", "asked", "positions"),
+    [
+        ({Arm.TREATMENT: h.live_delta()}, None, 4),
+        ({Arm.TREATMENT: h.live_delta(DRAFT_TOKENS=300)}, None, 3),
+        ({Arm.TREATMENT: h.live_delta(DRAFT_TOKENS=900)}, None, 5),
+        ({Arm.TREATMENT: h.live_delta(DRAFTS=None, DRAFT_TOKENS=None)}, None, 4),  # /metrics does not say
+        ({}, None, 4),
+        ({Arm.TREATMENT: h.live_delta(DRAFT_TOKENS=300)}, 6, 6),  # --compare-tokens wins
+    ],
+)
+def test_compared_positions_are_the_first_token_and_one_verification_step(
+    deltas: dict[str, MetricsDelta], asked: int | None, positions: int
+) -> None:
+    history = h.history([h.plan(0)], [], deltas)
+    assert graders.compared_positions(history, Grading(compare_tokens=asked)) == positions
 
 
 def test_a_small_systematic_shift_is_not_corruption_a_large_one_is() -> None:
