@@ -41,6 +41,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=32, help="seeded conversations (default 32)")
+    p.add_argument(
+        "--reference-ratio",
+        type=int,
+        default=RunConfig.reference_ratio,
+        help="the reference runs this many times the treatment's conversations (default 2): a larger yardstick "
+        "lets the logprob grader see corruption in fewer hits",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs"), help="parent folder of run folders (default runs/)")
     p.add_argument("--concurrency", type=int, default=8, help="conversations in flight (default 8)")
@@ -146,6 +153,7 @@ def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | 
         reference=urls.get("reference"),
         model=model,
         conversations=args.conversations,
+        reference_ratio=args.reference_ratio,
         seed=args.seed,
         concurrency=args.concurrency,
         block_size=args.block_size,

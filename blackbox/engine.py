@@ -139,11 +139,15 @@ async def _drive(
         return dataclasses.replace(e, response=None)
 
     plans: list[Plan] = []
+    yardstick: list[Plan] = []
     exchanges: list[Exchange] = []
     if "multiturn" in config.probes:
         plans, found = await _multiturn(config, endpoints, geo, salt, record, progress)
+        plans, yardstick = plans[: config.conversations], plans[config.conversations :]
         exchanges.extend(found)
         store.write_json("plans.json", [p.__dict__ for p in plans])
+        if yardstick:
+            store.write_json("yardstick-plans.json", [p.__dict__ for p in yardstick])
     rounds: list[race.RaceRound] = []
     race_window: MetricsDelta | None = None
     if "cold-race" in config.probes:
@@ -165,6 +169,7 @@ async def _drive(
         config.max_num_batched_tokens,
         race_window,
         infos[Arm.TREATMENT],
+        tuple(yardstick),
     )
     return history, geo, preflight
 
@@ -177,13 +182,15 @@ async def _multiturn(
     record: Callable[[Exchange], Exchange],
     progress: Progress,
 ) -> tuple[list[Plan], list[Exchange]]:
-    progress(0, config.conversations, f"sizing prompts (block {geo.block_size} tokens)")
+    """Every arm runs conversations 0..n-1; the reference alone runs the yardstick's n..ratio*n-1 as well."""
+    total = config.conversations * (config.reference_ratio if Arm.REFERENCE in endpoints else 1)
+    progress(0, total, f"sizing prompts (block {geo.block_size} tokens)")
     count = endpoints[Arm.TREATMENT].count_tokens
     plans = await gather_bounded(
         config.concurrency * 2,
         *(
             plan_conversation(i, config.seed, config.shape, geo.block_size, geo.max_model_len, count)
-            for i in range(config.conversations)
+            for i in range(total)
         ),
     )
     done = 0
@@ -195,7 +202,9 @@ async def _multiturn(
         progress(done, len(plans), f"conversation {plan.index} done")
         return out
 
-    results = await gather_bounded(config.concurrency, *(one(p) for p in plans))
+    # Interleaved (0, n, 2n, 1, n+1, ...) so the treatment is not left idle while the reference runs its extras.
+    order = sorted(plans, key=lambda p: (p.index % config.conversations, p.index))
+    results = await gather_bounded(config.concurrency, *(one(p) for p in order))
     return list(plans), [e for r in results for e in r]
 
 
@@ -262,6 +271,8 @@ async def _conversation(
             out.append(await control)
         return out
 
+    if conv >= config.conversations:  # a yardstick conversation: the reference's alone
+        return await resumed(Arm.REFERENCE)
     chains = [resumed(Arm.TREATMENT)]
     if Arm.REFERENCE in endpoints:
         chains.append(resumed(Arm.REFERENCE))

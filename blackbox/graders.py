@@ -73,7 +73,7 @@ def samples(
     against its twin over the first `tokens` answer positions (None: all). Answers without logprobs are left
     out: two empty lists compare equal vacuously (a gate reports them)."""
     out = []
-    for plan in history.plans:
+    for plan in history.plans_of(arm):
         for hit, fresh in pairs:
             a, b = history.get(plan.index, arm, hit), history.get(plan.index, arm, fresh)
             if a is None or b is None or not (a.ok and b.ok and a.tokens and b.tokens):

@@ -123,6 +123,12 @@ class History:
     step_budget: int | None = None  # the treatment's max_num_batched_tokens, when stated
     race_window: MetricsDelta | None = None  # the treatment's counters over the cold race alone
     treatment_info: ServerInfo | None = None  # its vLLM release and cache settings, for the trigger's hint
+    # Conversations the reference alone ran, beyond the treatment's: a larger yardstick (see RunConfig).
+    yardstick: tuple[Plan, ...] = ()
+
+    def plans_of(self, arm: str) -> tuple[Plan, ...]:
+        """The conversations `arm` ran: the reference runs the yardstick's extra ones too."""
+        return self.plans + self.yardstick if arm == Arm.REFERENCE else self.plans
 
     def get(self, conversation: int, arm: str, kind: str) -> Exchange | None:
         return self._index.get((conversation, arm, kind))
@@ -137,7 +143,7 @@ class History:
         return [e for e in self.exchanges if not e.ok]
 
     def plan(self, conversation: int) -> Plan | None:
-        return next((p for p in self.plans if p.index == conversation), None)
+        return next((p for p in (*self.plans, *self.yardstick) if p.index == conversation), None)
 
     @property
     def _index(self) -> dict[tuple[int, str, str], Exchange]:

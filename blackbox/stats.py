@@ -139,16 +139,22 @@ def detectable_fraction(n: int, critical: int | None, power: float = 0.95) -> fl
 
 
 def conversations_needed(
-    conversations: int, units: int, alpha: float, fraction: float | None = None, power: float = 0.95
+    conversations: int,
+    units: int,
+    alpha: float,
+    fraction: float | None = None,
+    power: float = 0.95,
+    ratio: float = 1.0,
 ) -> int | None:
-    """How many conversations a run needs, at the same yield of `units` per conversation, for a two-sample
-    exceedance test at `alpha` to be able to fail at all (fraction None), or to catch corruption in `fraction` of
-    the units with probability `power`. None when even 4096 conversations would not do."""
+    """How many conversations a run needs, at the same yield of `units` per conversation and a yardstick `ratio`
+    times the subject's size, for a two-sample exceedance test at `alpha` to be able to fail at all (fraction
+    None), or to catch corruption in `fraction` of the units with probability `power`. None when even 4096
+    conversations would not do."""
     yield_ = units / conversations if conversations and units else 0.5
     n_conv = max(2, conversations)
     while n_conv <= 4096:
         n = max(1, math.floor(n_conv * yield_))
-        crit = exceedance_critical(n, n, alpha)
+        crit = exceedance_critical(n, max(1, round(n * ratio)), alpha)
         q = detectable_fraction(n, crit, power) if crit is not None and fraction is not None else None
         if crit is not None and (fraction is None or (q is not None and q <= fraction)):
             return n_conv

@@ -210,10 +210,13 @@ def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], His
 
     config = reading.json("config.json")
     geometry = reading.json("geometry.json")
-    plans = [
-        Plan(**{**p, "turn1_messages": tuple(p["turn1_messages"]), "probe_messages": tuple(p["probe_messages"])})
-        for p in (reading.json("plans.json") if (run_dir / "plans.json").exists() else [])
-    ]
+
+    def plans(name: str) -> list[Plan]:
+        return [
+            Plan(**{**p, "turn1_messages": tuple(p["turn1_messages"]), "probe_messages": tuple(p["probe_messages"])})
+            for p in (reading.json(name) if (run_dir / name).exists() else [])
+        ]
+
     race = reading.json("race.json") if (run_dir / "race.json").exists() else {"rounds": [], "budget": None}
     exchanges = []
     reading.file = "exchanges.jsonl"
@@ -264,13 +267,14 @@ def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], His
     info = json.loads(servers.read_text()).get("treatment") if servers.exists() else None
     history = History(
         geometry["block_size"],
-        tuple(plans),
+        tuple(plans("plans.json")),
         tuple(exchanges),
         deltas,
         rounds,
         race.get("budget"),
         race_window,
         ServerInfo.from_json(info) if info else None,
+        tuple(plans("yardstick-plans.json")),
     )
     return config, history
 

@@ -95,6 +95,7 @@ class FakeVLLM:
     """One fake server. `caching` False makes it a control (no cache, cache_config says so)."""
 
     caching: bool = True
+    speculative: bool = True  # False: a reference (no spec-decode counters on /metrics)
     fault: Fault | None = None
     typed: bool = True  # False: /metrics without # TYPE lines
     echo_headers: bool = True  # error bodies (and one field of every answer) echo the request headers
@@ -325,7 +326,7 @@ class FakeVLLM:
             text = self.metrics_override(n, self.counters)
             if text is not None:
                 return text
-        return render_metrics(self.counters, caching=self.caching, typed=self.typed)
+        return render_metrics(self.counters, caching=self.caching, typed=self.typed, speculative=self.speculative)
 
 
 def _answer(messages: list[dict[str, str]], max_tokens: int) -> list[str]:
@@ -341,7 +342,7 @@ def _answer(messages: list[dict[str, str]], max_tokens: int) -> list[str]:
     return [source[i % len(source)] for i in range(max_tokens)]
 
 
-def render_metrics(c: Counters, *, caching: bool = True, typed: bool = True) -> str:
+def render_metrics(c: Counters, *, caching: bool = True, typed: bool = True, speculative: bool = True) -> str:
     labels = 'engine="0",model_name="fake-model"'
     lines: list[str] = []
 
@@ -355,9 +356,10 @@ def render_metrics(c: Counters, *, caching: bool = True, typed: bool = True) -> 
 
     counter("vllm:prefix_cache_queries", c.queries)
     counter("vllm:prefix_cache_hits", c.hits if caching else 0.0)
-    counter("vllm:spec_decode_num_drafts", c.drafts)
-    counter("vllm:spec_decode_num_draft_tokens", c.draft_tokens)
-    counter("vllm:spec_decode_num_accepted_tokens", c.accepted)
+    if speculative:
+        counter("vllm:spec_decode_num_drafts", c.drafts)
+        counter("vllm:spec_decode_num_draft_tokens", c.draft_tokens)
+        counter("vllm:spec_decode_num_accepted_tokens", c.accepted)
     if typed:
         lines.append("# TYPE vllm:cache_config_info gauge")
     lines.append(

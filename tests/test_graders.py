@@ -397,6 +397,43 @@ def test_a_subset_of_conversations_far_beyond_the_reference_is_corruption() -> N
     assert [m["unit"] for m in finding.figures["mismatches"]] == list(range(4, 12))
 
 
+def _with_yardstick(n: int, treatment: Sequence[float], reference: Sequence[float]) -> History:
+    """A logprob history whose reference also ran conversations n.. on its own (RunConfig.reference_ratio)."""
+    full = logprob_history(treatment, reference)
+    extra = [e for e in full.exchanges if e.conversation >= n and e.arm != Arm.REFERENCE]
+    return dataclasses.replace(
+        full,
+        plans=full.plans[:n],
+        yardstick=full.plans[n:],
+        exchanges=tuple(e for e in full.exchanges if e not in extra),
+    )
+
+
+def test_a_larger_yardstick_catches_corruption_in_fewer_hits() -> None:
+    # 6 of 32 hits far beyond the noise: below the exceedance test's critical count against 32 reference hits
+    # (8 at alpha / 3), above it against 96 (5): C(32, 6) / C(32 + 96, 6) = 0.00017.
+    noise = [0.01 + 0.001 * i for i in range(96)]
+    treatment = [*(0.0105 + 0.0011 * i for i in range(26)), 5.0, 5.5, 6.0, 6.5, 7.0, 7.5]
+    alone = graders.logprob(_with_yardstick(32, treatment, noise[:32]), GRADING)
+    assert alone.status is Status.PASS, alone.reason
+    assert alone.figures["n_yardstick"] == 32
+    larger = graders.logprob(_with_yardstick(32, treatment, noise), GRADING)
+    assert (larger.figures["n_subject"], larger.figures["n_yardstick"]) == (32, 96)
+    assert larger.error_class == "CorruptionDetected", larger.reason
+    p = larger.figures["p_values"]["deviations beyond the yardstick"]
+    assert p == pytest.approx(math.comb(32, 6) / math.comb(32 + 96, 6))
+    assert alone.figures["detectable_fraction"] > larger.figures["detectable_fraction"]
+    assert [m["unit"] for m in larger.figures["mismatches"]] == list(range(26, 32))
+
+
+def test_yardstick_conversations_count_only_for_the_reference() -> None:
+    history = _with_yardstick(4, [0.01] * 4, [0.02] * 8)
+    assert [p.index for p in history.plans_of(Arm.TREATMENT)] == [0, 1, 2, 3]
+    assert [p.index for p in history.plans_of(Arm.REFERENCE)] == list(range(8))
+    assert history.plan(6) is not None
+    assert len(graders.samples(history, Arm.REFERENCE, graders.LOGPROB.pairs, graders.LOGPROB.where, 1.0)) == 8
+
+
 def test_deviations_at_the_noise_floor_on_both_arms_pass_with_a_power_statement() -> None:
     finding = graders.logprob(logprob_history(NOISE, NOISE[::-1]), GRADING)
     assert finding.status is Status.PASS, finding.reason

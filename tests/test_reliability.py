@@ -24,7 +24,7 @@ from fake_server import Close, Counters, CutBody, FakeVLLM, Hang, Kill, Reply, S
 
 from blackbox import errors, gates
 from blackbox.cli import main
-from blackbox.store import RunStore
+from blackbox.store import RunStore, load_history
 
 CANARY = "sk-canary-7f3a9c2e5b1d4f60a8e2"
 ROOT = Path(__file__).resolve().parent.parent
@@ -359,6 +359,32 @@ def test_the_unfaulted_fake_pair_passes(
     # Every scrape is stored; one periodic scrape may have been cut off in flight when the run ended.
     assert t.calls["/metrics"] - 1 <= len(scrapes) <= t.calls["/metrics"]
     assert_no_canary(outcome)  # the fake echoes the Authorization header into every answer
+
+
+def test_the_reference_runs_the_yardstick_conversations_alone(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], pair: Callable[[Case], tuple[FakeVLLM, FakeVLLM]]
+) -> None:
+    t, c = pair(Case("clean", "", 0, ""))
+    r = FakeVLLM(speculative=False).start()
+    try:
+        outcome = run_cli(
+            capfd, tmp_path, "--treatment", t.url, "--control", c.url, "--reference", r.url,
+            "--conversations", "4", "--reference-ratio", "3",
+        )  # fmt: skip
+    finally:
+        r.stop()
+    assert outcome.verdict["error_class"] not in ("EndpointError", "UsageError", "InternalError"), outcome.console
+    rows = [json.loads(line) for line in (outcome.run_dir / "exchanges.jsonl").read_text().splitlines()]
+    turn2 = {arm: sorted(e["conversation"] for e in rows if e["arm"] == arm and e["kind"] == "turn2") for arm in
+             ("treatment", "control", "reference")}  # fmt: skip
+    assert turn2 == {"treatment": [0, 1, 2, 3], "control": [0, 1, 2, 3], "reference": list(range(12))}
+    stored = json.loads((outcome.run_dir / "config.json").read_text())
+    assert stored["reference_ratio"] == 3
+    plans = json.loads((outcome.run_dir / "plans.json").read_text())
+    extra = json.loads((outcome.run_dir / "yardstick-plans.json").read_text())
+    assert [p["index"] for p in plans] == [0, 1, 2, 3] and [p["index"] for p in extra] == list(range(4, 12))
+    _, history = load_history(outcome.run_dir)
+    assert len(history.plans) == 4 and len(history.plans_of("reference")) == 12
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -209,3 +209,11 @@ def test_conversations_needed_grows_with_the_target() -> None:
     assert 4 < can_fail < for20 < for10
     n = can_fail * 3 // 4  # the same yield of 3 hits per 4 conversations
     assert stats.min_p_two_sample(n, n) < level
+
+
+def test_a_larger_yardstick_needs_fewer_conversations() -> None:
+    level = 0.01 / 6
+    alike = stats.conversations_needed(32, 31, level, 0.2)
+    double = stats.conversations_needed(32, 31, level, 0.2, ratio=2.0)
+    assert alike is not None and double is not None and double < alike
+    assert stats.exceedance_critical(31, 62, level) == 6 < stats.exceedance_critical(31, 31, level) == 9  # type: ignore[operator]
