@@ -47,7 +47,7 @@ from scipy.stats import binomtest
 
 from blackbox.config import RunConfig
 from blackbox.engine import judge, run
-from blackbox.history import History
+from blackbox.history import Arm, History
 from blackbox.race import RaceSettings
 from blackbox.store import RunStore, load_history, load_preflight
 from blackbox.verdict import Status, Verdict
@@ -77,6 +77,14 @@ class Case:
         if self.fault is None:
             return "false-alarm"
         return "faults" if self.sporadic == 1.0 else "sporadic"
+
+    @property
+    def has_yardstick(self) -> bool:
+        """Only a multiturn run with a reference has one (--reference-ratio)."""
+        return self.reference and self.probe == "multiturn"
+
+    def ratio(self, asked: int) -> int:
+        return asked if self.has_yardstick else 1
 
     def treatment_env(self) -> dict[str, str]:
         if self.fault is None:
@@ -127,15 +135,25 @@ def select(spec: str) -> list[Case]:
 
 
 def smallest_failing(history: History, config: RunConfig) -> int | None:
-    """The fewest leading conversations (race rounds) whose re-judged verdict is still FAIL."""
+    """The fewest leading conversations (race rounds) whose re-judged verdict is still FAIL. A run of n
+    conversations has the reference's 0..ratio*n-1 as well: those of the treatment's n.. count as yardstick."""
     units = history.plans if config.probes == ("multiturn",) else history.races
+    every = {p.index: p for p in history.plans_of(Arm.REFERENCE)}
     for n in range(1, len(units) + 1):
         keep = {u.index for u in units[:n]}
+        extra = {i for i in range(n, n * config.reference_ratio) if i in every}
         sub = dataclasses.replace(
             history,
             plans=tuple(p for p in history.plans if p.index in keep),
+            yardstick=tuple(every[i] for i in sorted(extra)),
             races=tuple(r for r in history.races if r.index in keep),
-            exchanges=tuple(e for e in history.exchanges if e.conversation in keep or e.conversation >= 10_000),
+            exchanges=tuple(
+                e
+                for e in history.exchanges
+                if e.conversation in keep
+                or e.conversation >= 10_000
+                or (e.conversation in extra and e.arm == Arm.REFERENCE)
+            ),
         )
         if judge(sub, config)[0].status is Status.FAIL:
             return n
@@ -149,6 +167,7 @@ def run_config(case: Case, urls: Mapping[str, str], seed: int, args: argparse.Na
         control=urls["control"],
         reference=urls.get("reference"),
         conversations=length if multiturn else args.conversations,
+        reference_ratio=case.ratio(args.reference_ratio),
         seed=seed,
         probes=(case.probe,),
         race=RaceSettings(rounds_per_size=args.race_rounds if multiturn else length),
@@ -166,7 +185,7 @@ def fault_counts(case: Case, fleet: Fleet) -> tuple[int, int]:
 def one_run(case: Case, fleet: Fleet, seed: int, length: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     config = run_config(case, fleet.urls, seed, args, length)
     fired0, skipped0 = fault_counts(case, fleet)
-    folder = run_folder(out, case.name, seed, length)
+    folder = run_folder(out, case.name, seed, length, case.ratio(args.reference_ratio))
     shutil.rmtree(folder, ignore_errors=True)  # a stopped run's folder (never recorded), or one --redo replaces
     store = RunStore(folder.parent, folder.name)
     started = time.monotonic()
@@ -181,6 +200,7 @@ def one_run(case: Case, fleet: Fleet, seed: int, length: int, args: argparse.Nam
         "seed": seed,
         "probe": case.probe,
         "length": length,
+        "reference_ratio": case.ratio(args.reference_ratio),
         **outcome(result.verdict, result.history, config),
         "fired": fired1 - fired0,
         "skipped": skipped1 - skipped0,
@@ -205,8 +225,8 @@ def outcome(verdict: Verdict, history: History | None, config: RunConfig) -> dic
     }
 
 
-def run_folder(out: Path, case_name: str, seed: int, length: int) -> Path:
-    return out / f"{case_name.replace(' ', '_')}-s{seed}-n{length}"
+def run_folder(out: Path, case_name: str, seed: int, length: int, ratio: int = 1) -> Path:
+    return out / (f"{case_name.replace(' ', '_')}-s{seed}-n{length}" + (f"-r{ratio}" if ratio != 1 else ""))
 
 
 def regrade(args: argparse.Namespace, stamp: Mapping[str, str]) -> int:
@@ -216,7 +236,7 @@ def regrade(args: argparse.Namespace, stamp: Mapping[str, str]) -> int:
     this commit already, and runs whose folder is gone, are left as they are. Returns the runs re-judged."""
     done = 0
     for r in latest_per_seed_records(load_runs(args.runs)):
-        folder = run_folder(args.regrade, r["case"], r["seed"], r["length"])
+        folder = run_folder(args.regrade, r["case"], r["seed"], r["length"], ratio(r))
         if r["commit"] == stamp["commit"] or not (folder / "config.json").is_file():
             continue
         data, history = load_history(folder)
@@ -259,19 +279,25 @@ def append_run(path: Path, record: Mapping[str, Any]) -> None:
         f.write(json.dumps(record, sort_keys=True) + "\n")
 
 
+def ratio(record: Mapping[str, Any]) -> int:
+    """The record's --reference-ratio: records from before the option ran 1x."""
+    return int(record.get("reference_ratio", 1))
+
+
 def latest_per_seed_records(runs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """One record per (case, seed, length): the latest (a --redo or --regrade replaces an earlier one)."""
-    by_key: dict[tuple[str, int, int], Mapping[str, Any]] = {}
+    """One record per (case, seed, length, reference ratio): the latest (a --redo or --regrade replaces an
+    earlier one)."""
+    by_key: dict[tuple[str, int, int, int], Mapping[str, Any]] = {}
     for r in runs:
-        by_key[(r["case"], r["seed"], r["length"])] = r
+        by_key[(r["case"], r["seed"], r["length"], ratio(r))] = r
     return [r for _, r in sorted(by_key.items())]
 
 
-def latest_per_seed(runs: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
-    """Per case, the latest record of each (seed, length)."""
-    cases: dict[str, list[Mapping[str, Any]]] = {}
+def latest_per_seed(runs: Iterable[Mapping[str, Any]]) -> dict[tuple[str, int], list[Mapping[str, Any]]]:
+    """Per (case, reference ratio), the latest record of each (seed, length)."""
+    cases: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
     for r in latest_per_seed_records(runs):
-        cases.setdefault(r["case"], []).append(r)
+        cases.setdefault((r["case"], ratio(r)), []).append(r)
     return cases
 
 
@@ -314,7 +340,7 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def case_row(case: Case, records: Sequence[Mapping[str, Any]]) -> str:
+def case_row(case: Case, records: Sequence[Mapping[str, Any]], reference_ratio: int = 1) -> str:
     runs = final_runs(records)
     clean = case.fault is None
     fails = [r for r in runs if r["status"] == "FAIL"]
@@ -332,7 +358,7 @@ def case_row(case: Case, records: Sequence[Mapping[str, Any]]) -> str:
     made = sorted({f"`{r['command']}` {r['date']} {r['commit']}" for r in records})
     fault = "-" if clean else f"{case.fault} ({case.sporadic:g}, {case.shape})"
     cells = (
-        case.name,
+        case.name + (f", reference {reference_ratio}x" if case.has_yardstick else ""),
         case.probe,
         fault,
         str(len(runs)),
@@ -351,9 +377,15 @@ def case_row(case: Case, records: Sequence[Mapping[str, Any]]) -> str:
 
 def table(runs: Sequence[Mapping[str, Any]]) -> str:
     per_case = latest_per_seed(runs)
-    rows = [case_row(c, per_case[c.name]) for c in CASES if c.name in per_case]
-    clean = [r for c in CASES if c.fault is None and c.name in per_case for r in final_runs(per_case[c.name])]
-    alarms = sum(r["status"] == "FAIL" and r["error_class"] == "CorruptionDetected" for r in clean)
+    keys = sorted(per_case, key=lambda k: ([c.name for c in CASES].index(k[0]), -k[1]))
+    by_name = {c.name: c for c in CASES}
+    rows = [case_row(by_name[name], per_case[(name, x)], x) for name, x in keys]
+    clean = [r for name, x in keys if by_name[name].fault is None for r in final_runs(per_case[(name, x)])]
+    now = [r for r in clean if ratio(r) == by_name[r["case"]].ratio(RunConfig.reference_ratio)]
+
+    def alarms(records: Sequence[Mapping[str, Any]]) -> int:
+        return sum(r["status"] == "FAIL" and r["error_class"] == "CorruptionDetected" for r in records)
+
     header = f"| {' | '.join(COLUMNS)} |\n|{'---|' * len(COLUMNS)}"
     return (
         "# Fault detection benchmark\n\n"
@@ -363,8 +395,11 @@ def table(runs: Sequence[Mapping[str, Any]]) -> str:
         "false alarms. *Needed*: the fewest leading conversations (race rounds) of a FAIL run that still give FAIL "
         "when re-judged. *Fired / candidates*: hits (or writes) the fault changed, of those it could have changed "
         f"(plugin seed {FAULT_SEED}).\n\n"
-        f"**False alarms over every clean run: {interval(alarms, len(clean), True)}** "
-        "(`CorruptionDetected` on a correct engine; one-sided 95% upper bound).\n\n"
+        f"**False alarms over every clean run: {interval(alarms(clean), len(clean), True)}**; at the default "
+        f"reference ratio ({RunConfig.reference_ratio}x) and the variants without a reference: "
+        f"{interval(alarms(now), len(now), True)} "
+        "(`CorruptionDetected` on a correct engine; one-sided 95% upper bound). *Reference Nx*: the reference ran N "
+        "times the treatment's conversations (`--reference-ratio`; records from before the option ran 1x).\n\n"
         + header
         + "\n"
         + "\n".join(rows)
@@ -420,7 +455,11 @@ def extension(case: Case, record: Mapping[str, Any], args: argparse.Namespace) -
 
 def pending_seeds(case: Case, args: argparse.Namespace) -> list[int]:
     """The seeds of this sitting not yet recorded for `case` at the default length (all of them with --redo)."""
-    done = {(r["seed"], r["length"]) for r in load_runs(args.runs) if r["case"] == case.name}
+    done = {
+        (r["seed"], r["length"])
+        for r in load_runs(args.runs)
+        if r["case"] == case.name and ratio(r) == case.ratio(args.reference_ratio)
+    }
     wanted = range(args.seed_start, args.seed_start + args.seeds)
     return [s for s in wanted if args.redo or (s, default_length(case, args)) not in done]
 
@@ -479,6 +518,12 @@ def main() -> int:
     parser.add_argument("--seed-start", type=int, default=0)
     parser.add_argument("--conversations", type=int, default=32, help="multiturn run length")
     parser.add_argument("--race-rounds", type=int, default=RaceSettings.rounds_per_size, help="per prompt size")
+    parser.add_argument(
+        "--reference-ratio",
+        type=int,
+        default=RunConfig.reference_ratio,
+        help="the reference's conversations per treatment conversation (blackbox run --reference-ratio)",
+    )
     parser.add_argument(
         "--extend-to", type=int, default=0, help="on InsufficientPower, re-run at the length asked, up to this"
     )

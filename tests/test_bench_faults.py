@@ -80,10 +80,10 @@ def test_a_seed_counts_once_by_its_longest_run_and_a_redo_replaces_it(tmp_path: 
         bench.append_run(path, r)
     assert bench.load_runs(path) == runs
     per_case = bench.latest_per_seed(bench.load_runs(path))
-    final = bench.final_runs(per_case["stale-checkpoint 0.1 block"])
+    final = bench.final_runs(per_case[("stale-checkpoint 0.1 block", 1)])
     assert [(r["seed"], r["length"], r["status"]) for r in final] == [(0, 64, "FAIL"), (1, 32, "FAIL")]
     text = bench.table(runs)
-    row = next(line for line in text.splitlines() if line.startswith("| stale-checkpoint 0.1 block "))
+    row = next(line for line in text.splitlines() if line.startswith("| stale-checkpoint 0.1 block, reference 1x |"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[3] == "2"  # seeds
     assert cells[4].startswith("2/2 (100%")
@@ -91,6 +91,26 @@ def test_a_seed_counts_once_by_its_longest_run_and_a_redo_replaces_it(tmp_path: 
     assert cells[8] == "12/26/40 conv"
     assert cells[10] == "4/40 (10%)"
     assert "False alarms over every clean run: -" in text  # no clean run recorded: no figure
+
+
+def test_runs_at_another_reference_ratio_are_rows_of_their_own_and_the_default_has_its_own_false_alarm_figure(
+    tmp_path: Path,
+) -> None:
+    clean = {"case": "clean", "fired": 0, "skipped": 0}
+    runs = [
+        _run(0, 32, "FAIL", "CorruptionDetected", **clean),  # before the option: 1x
+        _run(0, 32, "PASS", None, reference_ratio=2, **clean),
+        _run(1, 32, "PASS", None, reference_ratio=2, **clean),
+        _run(0, 3, "PASS", None, case="clean cold-race", fired=0, skipped=0),  # no yardstick: counted as is
+    ]
+    assert set(bench.latest_per_seed(runs)) == {("clean", 1), ("clean", 2), ("clean cold-race", 1)}
+    text = bench.table(runs)
+    rows = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")][1:]  # past the header
+    assert rows == ["clean, reference 2x", "clean, reference 1x", "clean cold-race"]
+    assert "False alarms over every clean run: 1/4 (25%" in text
+    assert "and the variants without a reference: 0/3 (0%" in text
+    assert bench.run_folder(tmp_path, "clean", 0, 32, 2).name == "clean-s0-n32-r2"
+    assert bench.run_folder(tmp_path, "clean", 0, 32).name == "clean-s0-n32"  # folders kept before the option
 
 
 def test_an_underpowered_seed_is_extended_to_the_length_asked_within_the_cap() -> None:
