@@ -20,7 +20,8 @@ for detection rates, one-sided (the upper bound) for false alarms, the figure th
 chance of a `CorruptionDetected`.
 
 Groups for --cases: all, false-alarm (the clean default and its benign variants), faults (each fault firing on
-every candidate), sporadic (each fault at 0.2 and 0.1, both shapes). Names may be globs ('eagle-overrun*').
+every candidate), sporadic (each fault at 0.2 and 0.1, both shapes), alone (the treatment alone, single-endpoint
+mode, on the model trained to recall: clean and each multiturn fault). Names may be globs ('eagle-overrun*').
 """
 
 from __future__ import annotations
@@ -71,9 +72,12 @@ class Case:
     shape: str = "block"
     spec_tokens: int | None = None  # None: the profile's speculative config
     reference: bool = True
+    alone: bool = False  # the treatment alone (single-endpoint mode: no control, no reference)
 
     @property
     def group(self) -> str:
+        if self.alone:
+            return "alone"
         if self.fault is None:
             return "false-alarm"
         return "faults" if self.sporadic == 1.0 else "sporadic"
@@ -106,6 +110,13 @@ CASES: tuple[Case, ...] = (
     Case("clean 1 spec token", "multiturn", spec_tokens=1),
     Case("clean no reference", "multiturn", reference=False),
     Case("clean cold-race", "cold-race", profile="cpu-tiny-fragmented"),
+    # The staging smoke test's mode on the model trained to recall: recall is its only grader.
+    Case("recall alone", "multiturn", profile="cpu-tiny-recall", alone=True),
+    *(
+        Case(f"recall alone {f}", "multiturn", "cpu-tiny-recall", fault=f, alone=True)
+        for f, _, p in _FAULTS
+        if p == "multiturn"
+    ),
     *(Case(f, probe, profile, fault=f) for f, profile, probe in _FAULTS),
     *(
         Case(f"{f} {fraction:g} {shape}", probe, profile, fault=f, sporadic=fraction, shape=shape)
@@ -113,7 +124,7 @@ CASES: tuple[Case, ...] = (
         for fraction, shape in _SPORADIC
     ),
 )
-GROUPS = ("all", "false-alarm", "faults", "sporadic")
+GROUPS = ("all", "false-alarm", "faults", "sporadic", "alone")
 
 
 def select(spec: str) -> list[Case]:
@@ -164,7 +175,7 @@ def run_config(case: Case, urls: Mapping[str, str], seed: int, args: argparse.Na
     multiturn = case.probe == "multiturn"
     return RunConfig(
         treatment=urls["treatment"],
-        control=urls["control"],
+        control=urls.get("control"),
         reference=urls.get("reference"),
         conversations=length if multiturn else args.conversations,
         reference_ratio=case.ratio(args.reference_ratio),
@@ -413,6 +424,8 @@ def table(runs: Sequence[Mapping[str, Any]]) -> str:
 
 def fleet_for(case: Case, args: argparse.Namespace, log_dir: Path) -> Fleet:
     roles = ("treatment", "control", "reference") if case.reference else ("treatment", "control")
+    if case.alone:
+        roles = ("treatment",)
     spec_config = None
     if case.spec_tokens is not None:
         spec_config = {**DEFAULT_SPECULATIVE_CONFIG, "num_speculative_tokens": case.spec_tokens}

@@ -16,7 +16,15 @@ from blackbox.errors import GeometryUnsupported
 from blackbox.history import Plan
 from blackbox.vocabulary import CODE_WORDS, FILLER, NAMES
 
-__all__ = ["Shape", "plan_conversation", "turn1_body", "turn2_messages"]
+__all__ = [
+    "Shape",
+    "fact_document",
+    "plan_conversation",
+    "question_for",
+    "turn1_body",
+    "turn1_messages",
+    "turn2_messages",
+]
 
 Messages = tuple[Mapping[str, str], ...]
 TokenCounter = Callable[[Sequence[Mapping[str, str]]], Awaitable[int]]
@@ -73,7 +81,14 @@ def _document(rng: random.Random, shape: Shape, sentences: int) -> _Document:
     return _Document(needles, tuple(body))
 
 
-def _turn1(doc: str) -> Messages:
+def fact_document(rng: random.Random, shape: Shape, sentences: int) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """A whole document of `sentences` filler sentences and its needles, as conversations draw them (the tiny
+    recall model is trained on these)."""
+    doc = _document(rng, shape, sentences)
+    return doc.text(len(doc.sentences)), doc.needles
+
+
+def turn1_messages(doc: str) -> Messages:
     return ({"role": "user", "content": f"{_INSTRUCTION} {doc} {_TELL}"},)
 
 
@@ -113,16 +128,16 @@ async def plan_conversation(
     rng = random.Random(f"blackbox:{seed}:{index}")
     doc = _document(rng, shape, sentences=max(8, target // 4))
     lo, hi = 0, len(doc.sentences)
-    if await count(_turn1(doc.text(hi))) < target:
+    if await count(turn1_messages(doc.text(hi))) < target:
         raise GeometryUnsupported(f"could not write a {target}-token document", hint="lower --prompt-blocks")
     while lo < hi:  # largest sentence count whose prompt fits under the target
         mid = (lo + hi + 1) // 2
-        if await count(_turn1(doc.text(mid))) <= target:
+        if await count(turn1_messages(doc.text(mid))) <= target:
             lo = mid
         else:
             hi = mid - 1
     text = await _pad(doc.text(lo), target, rng, count)
-    tokens = await count(_turn1(text))
+    tokens = await count(turn1_messages(text))
     present = [n for n in doc.needles if f"the code of {n[0]} is" in text]
     if not present:
         raise GeometryUnsupported(
@@ -131,7 +146,7 @@ async def plan_conversation(
     name, code = rng.choice(present)
     return Plan(
         index=index,
-        turn1_messages=_turn1(text),
+        turn1_messages=turn1_messages(text),
         question=question_for(name),
         answer=code,
         probe_messages=_probe(text, name),
@@ -144,7 +159,7 @@ async def _pad(text: str, target: int, rng: random.Random, count: TokenCounter) 
     """Add single words until the prompt is as close under the target as one more word allows."""
     for _ in range(64):
         longer = f"{text} {rng.choice(FILLER)}"
-        if await count(_turn1(longer)) > target:
+        if await count(turn1_messages(longer)) > target:
             break
         text = longer
     return text

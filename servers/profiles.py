@@ -141,6 +141,9 @@ PROFILES: Mapping[str, Profile] = {
             None,
             args=(*_CPU_ARGS, "--max-num-batched-tokens", str(FRAGMENTED_BATCHED_TOKENS)),
         ),
+        # The tiny model trained to recall its documents' needles (servers/recall_model.py): the recall grader and
+        # the single-endpoint mode without a reference run against it.
+        Profile("cpu-tiny-recall", "cpu", None, args=_CPU_ARGS),
         Profile("gpu-tiny", "cuda", None, 1, GPU_TINY_ARGS),
         Profile("qwen3.6-27b-fp8", "cuda", "Qwen/Qwen3.6-27B-FP8", 1, _GPU_ARGS),
         # Nemotron-3 Super ships MTP layers; override the config with `speculative_config` if needed.
@@ -335,6 +338,10 @@ def _model(prof: Profile, model: str | None, cache_dir: Path) -> str:
         from servers.tiny_model import build_tiny_model  # built on demand; needs torch
 
         return str(build_tiny_model(cache_dir, variant="gpu"))
+    if prof.name == "cpu-tiny-recall":
+        from servers.recall_model import build_recall_model  # trained on first use (minutes); needs torch
+
+        return str(build_recall_model(cache_dir))
     if prof.device == "cpu":
         from servers.tiny_model import build_tiny_model
 

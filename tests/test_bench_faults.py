@@ -35,6 +35,9 @@ def test_cases_cover_the_issue_8_targets() -> None:
     assert {c.name for c in bench.select("false-alarm")} == {
         "clean", "clean fragmented", "clean 1 spec token", "clean no reference", "clean cold-race",
     }  # fmt: skip
+    assert {c.name for c in bench.select("alone")} == {
+        "recall alone", "recall alone eagle-overrun", "recall alone stale-checkpoint",
+    }  # fmt: skip
     assert [c.name for c in bench.select("stale-checkpoint 0.1*,clean")] == [
         "clean", "stale-checkpoint 0.1 block", "stale-checkpoint 0.1 restore",
     ]  # fmt: skip
@@ -160,3 +163,16 @@ def test_regrade_rejudges_kept_runs_of_other_commits_and_keeps_their_traffic_fig
     assert (latest[0]["status"], latest[0]["caught_by"], latest[0]["commit"]) == ("PASS", [], "new")
     assert (latest[0]["ran_at"], latest[0]["fired"], latest[0]["wall_s"]) == ("abc", 2, 100.0)
     assert latest[2] == old[1]  # no folder: left as it was
+
+
+def test_a_case_alone_starts_and_asks_the_treatment_only(tmp_path: Path) -> None:
+    (case,) = bench.select("recall alone eagle-overrun")
+    args = SimpleNamespace(base_port=8900, cache_dir=tmp_path, conversations=32, race_rounds=3, reference_ratio=2)
+    with pytest.MonkeyPatch.context() as mp:
+        real = bench.build_specs
+        mp.setattr(bench, "build_specs", lambda profile, roles, **kw: real(profile, roles, model="/m", **kw))
+        mp.setattr(bench, "Fleet", lambda specs, log_dir: specs)
+        (spec,) = bench.fleet_for(case, args, tmp_path)
+    assert spec.role == "treatment" and "eagle-overrun" in str(spec.env)
+    config = bench.run_config(case, {"treatment": "http://127.0.0.1:8900"}, 3, args, 32)
+    assert config.control is None and config.reference is None

@@ -147,19 +147,29 @@ def test_fragmented_profile_shrinks_the_prefill_budget(tmp_path: Path, two_cores
         assert budget >= int(flag(spec.args, "--max-num-seqs"))  # vLLM's lower bound
 
 
-def test_cpu_tiny_builds_the_model_lazily(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("profile", "module", "builder"),
+    [
+        ("cpu-tiny", "servers.tiny_model", "build_tiny_model"),
+        ("cpu-tiny-recall", "servers.recall_model", "build_recall_model"),  # the model trained to recall
+    ],
+)
+def test_cpu_profiles_build_their_model_lazily(
+    profile: str, module: str, builder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls: list[Path] = []
 
     def build(cache_dir: Path) -> Path:
         calls.append(cache_dir)
         return cache_dir / "tiny-model"
 
-    fake = types.ModuleType("servers.tiny_model")
-    fake.build_tiny_model = build  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "servers.tiny_model", fake)
-    specs = build_specs("cpu-tiny", cache_dir=tmp_path)
+    fake = types.ModuleType(module)
+    setattr(fake, builder, build)
+    monkeypatch.setitem(sys.modules, module, fake)
+    specs = build_specs(profile, cache_dir=tmp_path)
     assert calls == [tmp_path]
     assert {s.model for s in specs} == {str(tmp_path / "tiny-model")}
+    assert {s.served_model_name for s in specs} == {"tiny"}
 
 
 def test_extra_args_and_spec_override_reach_every_role(tmp_path: Path, two_cores: None) -> None:
