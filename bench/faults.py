@@ -85,7 +85,7 @@ class Case:
     @property
     def has_yardstick(self) -> bool:
         """Only a multiturn run with a reference has one (--reference-ratio)."""
-        return self.reference and self.probe == "multiturn"
+        return self.reference and not self.alone and self.probe == "multiturn"
 
     def ratio(self, asked: int) -> int:
         return asked if self.has_yardstick else 1

@@ -174,5 +174,6 @@ def test_a_case_alone_starts_and_asks_the_treatment_only(tmp_path: Path) -> None
         mp.setattr(bench, "Fleet", lambda specs, log_dir: specs)
         (spec,) = bench.fleet_for(case, args, tmp_path)
     assert spec.role == "treatment" and "eagle-overrun" in str(spec.env)
+    assert not case.has_yardstick and case.ratio(2) == 1  # no reference, so no yardstick to enlarge
     config = bench.run_config(case, {"treatment": "http://127.0.0.1:8900"}, 3, args, 32)
     assert config.control is None and config.reference is None
