@@ -21,7 +21,8 @@ chance of a `CorruptionDetected`.
 
 Groups for --cases: all, false-alarm (the clean default and its benign variants), faults (each fault firing on
 every candidate), sporadic (each fault at 0.2 and 0.1, both shapes), alone (the treatment alone, single-endpoint
-mode, on the model trained to recall: clean and each multiturn fault). Names may be globs ('eagle-overrun*').
+mode: the model trained to recall with the multiturn probe, clean and each multiturn fault; the cold race, clean
+and its fault). Names may be globs ('eagle-overrun*').
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ CASES: tuple[Case, ...] = (
         for f, _, p in _FAULTS
         if p == "multiturn"
     ),
+    # The cold race needs no other server (its yardstick is the treatment's own cold racers).
+    Case("clean cold-race alone", "cold-race", profile="cpu-tiny-fragmented", alone=True),
+    *(Case(f"{f} alone", p, profile, fault=f, alone=True) for f, profile, p in _FAULTS if p == "cold-race"),
     *(Case(f, probe, profile, fault=f) for f, profile, probe in _FAULTS),
     *(
         Case(f"{f} {fraction:g} {shape}", probe, profile, fault=f, sporadic=fraction, shape=shape)

@@ -37,6 +37,7 @@ def test_cases_cover_the_issue_8_targets() -> None:
     }  # fmt: skip
     assert {c.name for c in bench.select("alone")} == {
         "recall alone", "recall alone eagle-overrun", "recall alone stale-checkpoint",
+        "clean cold-race alone", "chunk-end-as-boundary alone",
     }  # fmt: skip
     assert [c.name for c in bench.select("stale-checkpoint 0.1*,clean")] == [
         "clean", "stale-checkpoint 0.1 block", "stale-checkpoint 0.1 restore",

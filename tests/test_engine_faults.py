@@ -37,14 +37,14 @@ def _blackbox(
     seed: int,
     reference: str | None = None,
     control: bool = True,
+    alone: bool = False,  # the treatment alone: no control, no reference (the staging smoke test)
 ) -> tuple[int, dict, str]:
     code, output, _, verdict = blackbox_cli(
         out,
         "--treatment",
         treatment,
-        *(("--control", shared.urls["control"]) if control else ()),
-        "--reference",
-        reference or shared.urls["reference"],
+        *(("--control", shared.urls["control"]) if control and not alone else ()),
+        *(("--reference", reference or shared.urls["reference"]) if not alone else ()),
         "--probe",
         probe,
         *(("--conversations", str(MULTITURN_CONVERSATIONS)) if probe == "multiturn" else ()),
@@ -81,6 +81,13 @@ def test_fault_fires_and_is_caught_by_its_grader(fault: str, cpu_fleet: Fleet, t
                 fleet.urls["treatment"], cpu_fleet, probe, tmp_path / "runs-alone", SEEDS[0], control=False
             )
             assert code == 1 and "logprob" in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
+        else:
+            # The cold race needs no other server: its yardstick is the treatment's own cold racers, so the
+            # treatment alone (a staging smoke test) sees this fault by the same grader.
+            code, verdict, output = _blackbox(
+                fleet.urls["treatment"], cpu_fleet, probe, tmp_path / "runs-alone", SEEDS[0], alone=True
+            )
+            assert code == 1 and catcher in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
 
 
 def test_cold_race_passes_on_a_clean_fragmented_treatment(cpu_fleet: Fleet, tmp_path: Path) -> None:
