@@ -21,11 +21,11 @@ CASES = {
     "chunk-end-as-boundary": ("cpu-tiny-fragmented", "cold-race", "race-divergence"),
 }
 SEEDS = (21, 22)
-# The multiturn faults need 6-26 conversations at full rate (bench/results/faults.md, "needed"); a 16-conversation
-# run of seed 22 graded eagle-overrun PASS, truthfully ("... in >= 67% of hits would have been detected"). These
-# tests check that the fault is caught, not the rate (the bench measures that at the default 32), so they run
-# well past the largest "needed" seen.
-MULTITURN_CONVERSATIONS = 48
+# The multiturn faults needed 6-26 conversations at full rate against a reference of the same size (bench/results/
+# faults.md, "needed", 20/20 seeds caught at 32 each); a 16-conversation run of seed 22 graded eagle-overrun PASS,
+# truthfully ("... in >= 67% of hits would have been detected"). These tests check that the fault is caught, not
+# the rate: the default 32, whose reference now runs 64 (--reference-ratio 2), needs fewer hits beyond it (6, not 9).
+MULTITURN_CONVERSATIONS = 32
 TREATMENT_PORT = BASE_PORT + 5  # the session's servers use BASE_PORT..BASE_PORT+2
 
 
