@@ -44,8 +44,11 @@ def test_clean_pair_passes_with_the_trigger_proven(cpu_fleet: Fleet, tmp_path: P
     assert checks["drafter-live"]["figures"]["accepted_tokens"] > 0
     # The run folder holds what is needed to replay it.
     exchanges = (run / "exchanges.jsonl").read_text().splitlines()
-    # per conversation: treatment 5, control 1, reference 5; and one comparability request per server
-    assert len(exchanges) == 16 * 11 + 3
+    # per conversation: treatment 5, control 1, reference 5; the reference's 16 more (--reference-ratio 2, its
+    # yardstick) 5 each; and one comparability request per server
+    assert len(exchanges) == 16 * 11 + 16 * 5 + 3
+    assert len(json.loads((run / "yardstick-plans.json").read_text())) == 16
+    assert checks["logprob"]["figures"]["n_yardstick"] > checks["logprob"]["figures"]["n_subject"]
     for arm in ("treatment", "control", "reference"):
         assert (run / "metrics" / f"{arm}-before.prom").is_file()
         assert (run / "metrics" / f"{arm}-after.prom").is_file()
