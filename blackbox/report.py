@@ -32,7 +32,8 @@ def summary(result: RunResult) -> str:
     if arms and "control" not in arms:
         lines.append(
             "  mode            single endpoint: the control is the treatment's own no-reuse answers; recall grades "
-            "them, logprob and exactness need --reference"
+            "them and sees only corruption that loses a needle; logprob and exactness need --reference; the cold "
+            "race needs no other server"
         )
     if result.geometry:
         lines.append(

@@ -36,6 +36,25 @@ def test_zero_conversations_is_a_usage_error(tmp_path: Path) -> None:
     assert main(["run", "--treatment", url, "--control", url, "--conversations", "0", "--out", str(tmp_path)]) == 3
 
 
+def test_a_reference_ratio_below_one_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", "--treatment", "http://127.0.0.1:9", "--reference-ratio", "0", "--out", str(tmp_path)])
+    assert code == 3
+    assert "--reference-ratio must be at least 1" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_single_endpoint_summary_says_what_recall_cannot_see(tmp_path: Path) -> None:
+    from blackbox.engine import RunResult
+    from blackbox.report import summary
+    from blackbox.verdict import Finding, merge
+
+    import histories as h
+
+    alone = h.history([h.plan(0)], h.resumed(0, "treatment"))
+    text = summary(RunResult(merge([Finding.passed("endpoints", "ok")]), alone, None, tmp_path, 1.0))
+    assert "single endpoint" in text and "sees only corruption that loses a needle" in text
+
+
 def test_unreachable_endpoint_is_exit_4_with_a_stored_verdict(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
