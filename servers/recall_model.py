@@ -493,12 +493,6 @@ def _story_follows(model: Any, data: _Data, rng: random.Random, n: int, tokens: 
     return round(follows / max(1, total), 4)
 
 
-def _heldout_recall(model: Any, data: _Data, rng: random.Random, n: int) -> float:
-    """Greedy answers to one question after a document and a story at the tester's length (turn 2 of a
-    conversation, computed cold): the fraction whose first tokens are the code."""
-    return _recall_stats(model, data, rng, n, (60, 90), 464)[0]
-
-
 def _recall_stats(
     model: Any, data: _Data, rng: random.Random, n: int, sentences: tuple[int, int], story: int
 ) -> tuple[float, float]:
