@@ -11,7 +11,11 @@ meaningless, so these are checked in seconds, before any conversation, and a fai
   no token where the two part while one of them was sure (top-1 margin >= `hard_margin`), no deviation of
   `hard_margin` or more (a different model or compile mode parts on its first few tokens);
 - roles: the treatment caches, the control does not and runs speculative decoding, the reference caches, reports
-  `cached_tokens` and runs no speculative decoding.
+  `cached_tokens` and runs no speculative decoding;
+- the reference keeps the treatment's cache settings where both publish them (`vllm:cache_config_info`): its hits
+  are the yardstick for the treatment's, so a reference that stores the recurrent state in another dtype (or
+  caches in another mode) deviates from recomputation by another amount, and a correct treatment would read as
+  corrupt against it.
 """
 
 from __future__ import annotations
@@ -154,11 +158,34 @@ def _roles(facts: Mapping[str, ArmFacts]) -> Finding:
             problems.append("the reference has prefix caching off: start it with the treatment's cache flags")
         if reference.answer.ok and reference.answer.cached_tokens is None:
             problems.append("the reference reports no cached_tokens: start it with --enable-prompt-tokens-details")
+        problems += _cache_differences(facts[Arm.TREATMENT].snapshot, reference.snapshot)
     if problems:
         return Finding.from_error(
             "roles", errors.UsageError("; ".join(problems), hint="fix the server flags and re-run")
         )
     return Finding.passed("roles", "servers match their roles")
+
+
+# Settings that change how far a correct hit deviates from recomputation (dtypes of what is cached, which states are
+# checkpointed). Capacity figures (blocks, memory) legitimately differ: the drafter takes memory.
+_YARDSTICK_SETTINGS = (
+    "cache_dtype",
+    "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype",
+    "mamba_cache_mode",
+    "prefix_cache_retention_interval",
+)
+
+
+def _cache_differences(treatment: MetricsSnapshot, reference: MetricsSnapshot) -> list[str]:
+    mine = treatment.info.get(metrics.CACHE_CONFIG_INFO, {})
+    theirs = reference.info.get(metrics.CACHE_CONFIG_INFO, {})
+    return [
+        f"the reference has {name}={theirs[name]}, the treatment {mine[name]}: start it with the treatment's cache "
+        "flags (its hits are the yardstick for the treatment's)"
+        for name in _YARDSTICK_SETTINGS
+        if name in mine and name in theirs and mine[name] != theirs[name]
+    ]
 
 
 def _normal(url: str) -> str:
