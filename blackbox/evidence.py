@@ -70,7 +70,7 @@ def judge_samples(
     level = alpha / len(_TESTS)
     base: dict[str, Any] = {"n_subject": len(subject), "n_yardstick": len(yardstick), "alpha": alpha}
     if stats.min_p_two_sample(len(subject), len(yardstick)) >= level:
-        need = stats.conversations_needed(runs, len(subject), level, ratio=_ratio(subject, yardstick))
+        need = stats.conversations_needed(runs, len(subject), level, ratio=_ratio(len(subject), len(yardstick)))
         return Finding.from_error(
             check,
             errors.InsufficientPower(
@@ -145,7 +145,7 @@ def _power(
     else:
         critical = stats.exceedance_critical(n_s, n_y, level)
         size = f"a deviation beyond {_nat(largest)}" if largest > 0 else "any difference from recomputation"
-        for20 = stats.conversations_needed(runs, n_s, level, 0.2, POWER, ratio=n_y / n_s)
+        for20 = stats.conversations_needed(runs, n_s, level, 0.2, POWER, ratio=_ratio(n_s, n_y))
     q = stats.detectable_fraction(n_s, critical, POWER)
     sentence = (
         f"{size} in >= {q:.0%} of {what} would have been detected with probability {POWER}"
@@ -163,8 +163,9 @@ def _power(
     return sentence, figures
 
 
-def _ratio(subject: Sequence[Sample], yardstick: Sequence[Sample]) -> float:
-    return len(yardstick) / len(subject) if subject and yardstick else 1.0
+def _ratio(n_subject: int, n_yardstick: int) -> float:
+    """The yardstick's size over the subject's, for planning a longer run at the same proportions."""
+    return n_yardstick / n_subject if n_subject and n_yardstick else 1.0
 
 
 def _nat(value: float) -> str:
