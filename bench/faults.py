@@ -48,10 +48,10 @@ from typing import Any
 from scipy.stats import binomtest
 
 from blackbox.config import RunConfig
-from blackbox.engine import judge, run
+from blackbox.engine import judge, rejudge, run
 from blackbox.history import Arm, History
 from blackbox.race import RaceSettings
-from blackbox.store import RunStore, load_history, load_preflight
+from blackbox.store import RunStore
 from blackbox.verdict import Status, Verdict
 from servers.launch import Fleet
 from servers.profiles import DEFAULT_SPECULATIVE_CONFIG, build_specs
@@ -254,13 +254,13 @@ def regrade(args: argparse.Namespace, stamp: Mapping[str, str]) -> int:
         folder = run_folder(args.regrade, r["case"], r["seed"], r["length"], ratio(r))
         if r["commit"] == stamp["commit"] or not (folder / "config.json").is_file():
             continue
-        data, history = load_history(folder)
-        config = RunConfig.from_json(data)
-        verdict, _ = judge(history, config, load_preflight(folder))
+        again = rejudge(folder)
         ran_at = r.get("ran_at", r["commit"])
-        append_run(args.runs, {**r, **outcome(verdict, history, config), **stamp, "ran_at": ran_at})
+        append_run(args.runs, {**r, **outcome(again.verdict, again.history, again.config), **stamp, "ran_at": ran_at})
         done += 1
-        print(f"  {r['case']} seed {r['seed']} n={r['length']}: {r['status']} -> {verdict.status.value}", flush=True)
+        print(
+            f"  {r['case']} seed {r['seed']} n={r['length']}: {r['status']} -> {again.verdict.status.value}", flush=True
+        )
     return done
 
 

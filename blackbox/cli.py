@@ -23,11 +23,11 @@ from typing import Any
 
 from blackbox import errors, guard, inputs
 from blackbox.config import GRADERS, PROBES, Grading, RunConfig
-from blackbox.engine import RunResult, judge, run
+from blackbox.engine import RunResult, rejudge, run
 from blackbox.race import RaceSettings
 from blackbox.report import ProgressLine, summary
 from blackbox.secrets import Redactor
-from blackbox.store import RunStore, load_history, load_preflight, new_run_id, write_traceback
+from blackbox.store import RunStore, new_run_id, write_traceback
 from blackbox.workload import Shape
 
 __all__ = ["main"]
@@ -275,11 +275,10 @@ def _grade(args: argparse.Namespace) -> int:
             f"{args.run_dir} is not a blackbox run folder (no {', '.join(missing)})",
             hint="pass a folder under runs/ that a `blackbox run` wrote",
         )
-    data, history = load_history(args.run_dir)
-    config = RunConfig.from_json(data)
-    preflight = load_preflight(args.run_dir)
     try:
-        verdict, grades = judge(history, config, preflight)
+        again = rejudge(args.run_dir)
+    except errors.BlackboxError:
+        raise
     except Exception as exc:
         text = "".join(traceback.format_exception(exc))
         kept = write_traceback(args.run_dir, text, Redactor(), "traceback-grade.txt")
@@ -287,8 +286,8 @@ def _grade(args: argparse.Namespace) -> int:
             f"blackbox itself failed while grading: {type(exc).__name__}",
             hint=f"a bug in blackbox: the traceback is in {kept or 'no file (the folder is not writable)'}",
         ) from exc
-    print(summary(RunResult(verdict, history, grades, args.run_dir, 0.0)))
-    return verdict.exit_code
+    print(summary(RunResult(again.verdict, again.history, again.grades, args.run_dir, 0.0)))
+    return again.verdict.exit_code
 
 
 class _Console:

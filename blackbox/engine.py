@@ -15,7 +15,7 @@ from blackbox.config import RunConfig
 from blackbox.graders import Grades, grade
 from blackbox.history import Arm, Exchange, History, Kind, Plan
 from blackbox.metrics import MetricsDelta, MetricsSnapshot
-from blackbox.store import RunStore
+from blackbox.store import RunStore, load_history, load_preflight
 from blackbox.verdict import Finding, Status, Verdict, merge
 from blackbox.workload import plan_conversation, turn1_body, turn2_body, turn2_messages
 
@@ -105,6 +105,22 @@ def judge(history: History, config: RunConfig, preflight: Sequence[Finding] = ()
     else:
         grades = grade(history, config.grading, config.probes)
     return merge([*premises, *grades.findings]), grades
+
+
+@dataclass(frozen=True)
+class Rejudged:
+    verdict: Verdict
+    grades: Grades
+    history: History
+    config: RunConfig
+
+
+def rejudge(run_dir: Path) -> Rejudged:
+    """A stored run judged again by this code, with the settings and the stored pre-run findings it ran with."""
+    data, history = load_history(run_dir)
+    config = RunConfig.from_json(data)
+    verdict, grades = judge(history, config, load_preflight(run_dir))
+    return Rejudged(verdict, grades, history, config)
 
 
 def _quiet(done: int, total: int, note: str) -> None:

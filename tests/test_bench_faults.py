@@ -151,10 +151,11 @@ def test_regrade_rejudges_kept_runs_of_other_commits_and_keeps_their_traffic_fig
         bench.append_run(path, r)
     judged: list[Path] = []
     verdict = Verdict(Status.PASS, "every gate passed", None, (Finding.passed("logprob", "fine"),), 0)
-    monkeypatch.setattr(bench, "load_history", lambda folder: (judged.append(folder) or {}, None))
-    monkeypatch.setattr(bench.RunConfig, "from_json", classmethod(lambda cls, data: None))
-    monkeypatch.setattr(bench, "load_preflight", lambda folder: [])
-    monkeypatch.setattr(bench, "judge", lambda history, config, preflight: (verdict, None))
+    monkeypatch.setattr(
+        bench,
+        "rejudge",
+        lambda folder: judged.append(folder) or SimpleNamespace(verdict=verdict, history=None, config=None),
+    )
     args = SimpleNamespace(runs=path, regrade=kept)
     stamp = {"command": "python bench/faults.py --regrade kept", "date": "2026-12-02", "commit": "new"}
 
