@@ -212,6 +212,70 @@ onegpu() {
     healthy 8200 && healthy 8201 && healthy 8202 && bb_triple "clean-onegpu-s${SEEDS:-0}" 8200 8201 8202 "${SEEDS:-0}"
 }
 
+# Third sitting: the default run (reference 2x) over several seeds, clean in eager and PIECEWISE mode, and the
+# two hit faults sporadic (0.2 of their candidates; eagle-overrun as a poisoned block, stale-checkpoint as a
+# transient restore), each triple running seeds one after another until the call's deadline. Seeds continue
+# across calls (a counter per series under $W).
+start_v3() {
+    $D serve t-eager treatment 8110 -- "${KV[@]}" --enforce-eager
+    $D serve c-eager control 8111 -- "${KV[@]}" --enforce-eager
+    $D serve r-eager reference 8112 -- "${KV[@]}" --enforce-eager
+    $D serve t-pw treatment 8160 -- "${KV[@]}" "${PW[@]}"
+    $D serve c-pw control 8161 -- "${KV[@]}" "${PW[@]}"
+    $D serve r-pw reference 8162 -- "${KV[@]}" "${PW[@]}"
+    BLACKBOX_FAULT_SPORADIC=0.2 BLACKBOX_FAULT_SHAPE=block \
+        $D serve f-eagle treatment 8140 --fault eagle-overrun -- "${KV[@]}" --enforce-eager
+    $D serve c-eagle control 8141 -- "${KV[@]}" --enforce-eager
+    $D serve r-eagle reference 8142 -- "${KV[@]}" --enforce-eager
+    BLACKBOX_FAULT_SPORADIC=0.2 BLACKBOX_FAULT_SHAPE=restore \
+        $D serve f-stale treatment 8150 --fault stale-checkpoint -- "${KV[@]}" --enforce-eager
+    $D serve c-stale control 8151 -- "${KV[@]}" --enforce-eager
+    $D serve r-stale reference 8152 -- "${KV[@]}" --enforce-eager
+}
+
+series() { # NAME T C R CONV ROOM: seeds one after another while ROOM seconds are left for one more run
+    local name=$1 t=$2 c=$3 r=$4 conv=$5 room=$6 seed
+    while (($(left) > room)) && healthy "$t"; do
+        seed=$(cat "$W/seed-$name" 2>/dev/null || echo 0)
+        echo $((seed + 1)) >"$W/seed-$name"
+        CONV=$conv bb_triple "$name-s$seed" "$t" "$c" "$r" "$seed"
+    done
+}
+
+v3() {
+    $D wait $(($(left) - ${PROBE_RESERVE:-200})) 8110 8111 8112 8160 8161 8162 8140 8141 8142 8150 8151 8152
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+    series clean-eager 8110 8111 8112 32 "${CLEAN_ROOM:-150}" &
+    series clean-pw 8160 8161 8162 32 "${CLEAN_ROOM:-150}" &
+    series eagle02block 8140 8141 8142 "${SPORADIC_CONV:-64}" "${SPORADIC_ROOM:-250}" &
+    series stale02restore 8150 8151 8152 "${SPORADIC_CONV:-64}" "${SPORADIC_ROOM:-250}" &
+    wait
+    local f
+    for f in "$W"/logs/f-*/treatment.log; do
+        echo "$f: $(grep -c 'BLACKBOX_FAULT fired' "$f") fired, $(grep -c 'BLACKBOX_FAULT skipped' "$f") skipped"
+    done
+}
+
+# The finished run folders not yet sent, as one solid xz tarball split in 15 MiB parts (at most 8 files, 64 MiB
+# come back a call; ~3 MB a run): join with `cat runs-CALL.tar.xz.part-* | xz -d | tar x`.
+send() {
+    mkdir -p "$W/sent"
+    local d names=()
+    for d in "$W"/runs/*/; do
+        d=${d%/}
+        [ -e "$W/sent/${d##*/}" ] || ! compgen -G "$d/*/verdict.json" >/dev/null && continue
+        ((${#names[@]} >= ${SEND_MAX:-16})) && break
+        names+=("${d##*/}")
+    done
+    ((${#names[@]})) || { echo "nothing to send"; return; }
+    local tag
+    tag=$(date -u +%H%M%S)
+    tar cf - -C "$W/runs" "${names[@]}" | xz -T0 -9 | split -b 15M -a 1 - "$OUT/runs-$tag.tar.xz.part-"
+    for d in "${names[@]}"; do touch "$W/sent/$d"; done
+    echo "sent ${#names[@]}: ${names[*]}"
+    ls -la "$OUT"
+}
+
 for step in "$@"; do
     echo "== $step ($(left) s left)"
     case "$step" in
@@ -221,6 +285,9 @@ for step in "$@"; do
     measure2) measure2 ;;
     start-v2) start_v2 ;;
     verdicts) verdicts ;;
+    start-v3) start_v3 ;;
+    v3) v3 ;;
+    send) send ;;
     onegpu) onegpu ;;
     kernels) (cd "$W/bb" && python3 -m servers.gpu.compare_kernels --seeds "${KERNEL_SEEDS:-200}") ;;
     probe) probe_step ;;
