@@ -5,7 +5,8 @@
 #   servers/gpu/assemble.sh CHECKOUT          # the checkout the device tool sends
 #
 # p1, p2: vLLM 0.26.0 (the only release pinning torch 2.11.0, the device image's) without the FA2 library
-#         (Hopper runs FA3) and the vllm-rs binary: 377 MB unpacked, ~108 MiB as .tar.xz, split in two.
+#         (Hopper runs FA3) and the vllm-rs binary: 377 MB unpacked, ~108 MiB as .tar.xz, split in two halves
+#         (~54 MiB each, so that the working tree, ~5 MB, fits beside one in a 64 MiB call).
 # p3:     the dependency wheels of servers/gpu/wheels.txt, this worktree's files (bb.tar), and the tiny
 #         models (CPU and GPU variants) built here.
 # Needs network for pip (first run only; downloads are kept in $BBGPU_BUILD).
@@ -41,7 +42,7 @@ case "$exclude" in /*) ;; *) exclude="$checkout/$exclude" ;; esac
 mkdir -p "$(dirname "$exclude")"
 grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
 rm -rf "$out" && mkdir -p "$out/p1" "$out/p2" "$out/p3/whl" "$out/p3/models"
-split -b 60M -a 2 "$build/vllm-0.26.0-nofa2.tar.xz" "$build/vllm.tar.xz.part-"
+split -n 2 -a 2 "$build/vllm-0.26.0-nofa2.tar.xz" "$build/vllm.tar.xz.part-"  # two halves: the working tree travels too
 mv "$build/vllm.tar.xz.part-aa" "$out/p1/"
 mv "$build/vllm.tar.xz.part-ab" "$out/p2/"
 if [ -e "$build/vllm.tar.xz.part-ac" ]; then
