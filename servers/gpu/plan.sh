@@ -15,6 +15,8 @@
 #             so that no two runs share a server's counters: clean eager, eagle-overrun and stale-checkpoint
 #             eager (each with its own control and reference), clean PIECEWISE; plus the FULL-graph treatment
 #             without async scheduling, probed only
+#   start-v3, v3, send: the default run (reference 2x) over seeds, clean eager and PIECEWISE and the two hit faults
+#             sporadic (third sitting); `send` puts the finished run folders into $OUT as split solid tarballs
 #   onegpu    stop every server, then the launcher's own one-GPU mode (three roles, memory fractions, one by
 #             one) and a clean blackbox run against it
 #
