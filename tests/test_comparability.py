@@ -51,7 +51,7 @@ def test_three_servers_of_one_model_in_their_roles_pass() -> None:
 
 def test_one_server_given_twice_is_a_usage_error() -> None:
     facts = _trio()
-    facts[Arm.REFERENCE] = _facts(Arm.REFERENCE, 8000, TREATMENT_CACHE, drafts=False, url="http://localhost:8000/")
+    facts[Arm.REFERENCE] = replace(facts[Arm.REFERENCE], url="http://localhost:8000/")  # the treatment, spelt otherwise
     status, error, reason = _by_check(facts)["comparability"]
     assert (status, error) == ("ERROR", "UsageError") and "treatment and reference are one server" in reason
 
