@@ -427,7 +427,7 @@ def table(runs: Sequence[Mapping[str, Any]]) -> str:
 
 
 def fleet_for(case: Case, args: argparse.Namespace, log_dir: Path) -> Fleet:
-    roles = ("treatment", "control", "reference") if case.reference else ("treatment", "control")
+    roles: tuple[str, ...] = ("treatment", "control", "reference") if case.reference else ("treatment", "control")
     if case.alone:
         roles = ("treatment",)
     spec_config = None

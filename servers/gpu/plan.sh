@@ -17,6 +17,8 @@
 #             without async scheduling, probed only
 #   start-v3, v3, send: the default run (reference 2x) over seeds, clean eager and PIECEWISE and the two hit faults
 #             sporadic (third sitting); `send` puts the finished run folders into $OUT as split solid tarballs
+#   start-v4, v4: the sporadic faults at 0.2 over seeds, two triples per fault, PIECEWISE (fourth sitting); each
+#             run judged on the device (servers.gpu.digest), `send` then ships records and small files
 #   onegpu    stop every server, then the launcher's own one-GPU mode (three roles, memory fractions, one by
 #             one) and a clean blackbox run against it
 #
@@ -258,23 +260,78 @@ v3() {
     done
 }
 
+# Fourth sitting: the sporadic targets of issue 8 over seeds. Two hit faults at 0.2, each in its own shape
+# (eagle-overrun as a poisoned block, stale-checkpoint as a transient restore), two triples each, every server
+# PIECEWISE (a 64-conversation run is about half an eager one's time; the faults patch the scheduler, outside any
+# graph). Each run is judged again on the device (servers.gpu.digest, in the background while the next runs)
+# and `send` ships its record and small files, whole folders only for a few.
+start_v4() {
+    local name fault shape port
+    for spec in eagle-a:eagle-overrun:block:8140 eagle-b:eagle-overrun:block:8170 \
+        stale-a:stale-checkpoint:restore:8150 stale-b:stale-checkpoint:restore:8180; do
+        IFS=: read -r name fault shape port <<<"$spec"
+        BLACKBOX_FAULT_SPORADIC=${SPORADIC:-0.2} BLACKBOX_FAULT_SHAPE=$shape \
+            $D serve "f-$name" treatment "$port" --fault "$fault" -- "${KV[@]}" "${PW[@]}"
+        $D serve "c-$name" control $((port + 1)) -- "${KV[@]}" "${PW[@]}"
+        $D serve "r-$name" reference $((port + 2)) -- "${KV[@]}" "${PW[@]}"
+    done
+}
+
+digest() { (cd "$W/bb" && timeout "${DIGEST_TIMEOUT:-150}" python3 -m servers.gpu.digest "$@"); }
+
+series4() { # NAME CASE FAULT PORT SEED0: seeds one after another while SPORADIC_ROOM seconds are left
+    local name=$1 case=$2 fault=$3 t=$4 seed seed0=$5 before after log=$W/logs/f-$1/treatment.log
+    while (($(left) > ${SPORADIC_ROOM:-160})) && healthy "$t"; do
+        seed=$(cat "$W/seed-$name" 2>/dev/null || echo "$seed0")
+        echo $((seed + 1)) >"$W/seed-$name"
+        before=$(digest counts "$log" "$fault")
+        CONV=${SPORADIC_CONV:-64} bb_triple "$name-s$seed" "$t" $((t + 1)) $((t + 2)) "$seed"
+        after=$(digest counts "$log" "$fault")
+        [ -e "$W/runs/$name-s$seed" ] &&
+            digest record "$W/runs/$name-s$seed" --case "$case" --seed "$seed" --fault "$fault" \
+                --before "$before" --after "$after" >"$W/logs/digest-$name-s$seed.out" 2>&1 &
+    done
+    wait
+}
+
+v4() {
+    $D wait $(($(left) - ${PROBE_RESERVE:-200})) 8140 8141 8142 8170 8171 8172 8150 8151 8152 8180 8181 8182
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+    local frac=${SPORADIC:-0.2}
+    series4 eagle-a "eagle-overrun $frac block" eagle-overrun 8140 0 &
+    series4 eagle-b "eagle-overrun $frac block" eagle-overrun 8170 100 &
+    series4 stale-a "stale-checkpoint $frac restore" stale-checkpoint 8150 0 &
+    series4 stale-b "stale-checkpoint $frac restore" stale-checkpoint 8180 100 &
+    wait
+    cat "$W"/logs/digest-*.out 2>/dev/null | grep '^{' | sort | uniq
+}
+
 # The finished run folders not yet sent, as one solid xz tarball split in 15 MiB parts (at most 8 files, 64 MiB
 # come back a call; ~3 MB a run): join with `cat runs-CALL.tar.xz.part-* | xz -d | tar x`.
 send() {
     mkdir -p "$W/sent"
-    local d names=()
+    local d names=() full=() tag
     for d in "$W"/runs/*/; do
         d=${d%/}
         [ -e "$W/sent/${d##*/}" ] || ! compgen -G "$d/*/verdict.json" >/dev/null && continue
-        ((${#names[@]} >= ${SEND_MAX:-16})) && break
+        # A run of the fourth sitting travels once the device has judged it (its record.json).
+        [[ ${d##*/} == eagle-* || ${d##*/} == stale-* ]] && [ ! -e "$d/record.json" ] && continue
+        ((${#names[@]} >= ${SEND_MAX:-64})) && break
         names+=("${d##*/}")
     done
     ((${#names[@]})) || { echo "nothing to send"; return; }
-    local tag
+    # Whole folders (with the exchanges, ~12 MB each as xz) for the first SEND_FULL runs, PASS first.
+    mapfile -t full < <(cd "$W/runs" && grep -l '"status": "PASS"' "${names[@]/%//record.json}" 2>/dev/null |
+        xargs -rn1 dirname; printf '%s\n' "${names[@]}")
+    full=($(printf '%s\n' "${full[@]}" | awk '!seen[$0]++' | head -n "${SEND_FULL:-2}"))
     tag=$(date -u +%H%M%S)
-    tar cf - -C "$W/runs" "${names[@]}" | xz -T0 -9 | split -b 15M -a 1 - "$OUT/runs-$tag.tar.xz.part-"
+    local tarball=$W/send-$tag.tar
+    tar cf "$tarball" -C "$W/runs" --exclude='*/exchanges.jsonl' "${names[@]}"
+    ((${#full[@]})) && tar rf "$tarball" -C "$W/runs" "${full[@]}"
+    xz -T0 -9 -c "$tarball" | split -b 15M -a 1 - "$OUT/runs-$tag.tar.xz.part-"
+    rm -f "$tarball"
     for d in "${names[@]}"; do touch "$W/sent/$d"; done
-    echo "sent ${#names[@]}: ${names[*]}"
+    echo "sent ${#names[@]} (whole: ${full[*]:-none}): ${names[*]}"
     ls -la "$OUT"
 }
 
@@ -289,6 +346,8 @@ for step in "$@"; do
     verdicts) verdicts ;;
     start-v3) start_v3 ;;
     v3) v3 ;;
+    start-v4) start_v4 ;;
+    v4) v4 ;;
     send) send ;;
     onegpu) onegpu ;;
     kernels) (cd "$W/bb" && python3 -m servers.gpu.compare_kernels --seeds "${KERNEL_SEEDS:-200}") ;;

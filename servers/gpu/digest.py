@@ -1,0 +1,92 @@
+"""Judge GPU run folders where they were made, so that only their verdicts need to travel.
+
+    python -m servers.gpu.digest counts LOG FAULT            # "fired skipped" so far in a treatment log
+    python -m servers.gpu.digest record RUN_DIR --case NAME --seed N [--fault F --before F,S --after F,S]
+
+A 64-conversation GPU run folder is ~120 MB (every answer's top-k logprobs), ~12 MB as xz, and a device call
+brings back at most 64 MiB: a sitting of four triples makes ~16 runs a call. So each run is re-judged on the
+device with this checkout's code (`engine.rejudge`, the path `blackbox grade` takes) and reduced to one record
+in the shape of bench/results/faults-runs.jsonl (verdict, which grader caught it, the fewest leading
+conversations that still FAIL, the fault's fires and skipped candidates during the run). The record goes to
+RUN_DIR's parent as record.json; `plan.sh send` ships every record with the run's small files, and whole
+folders (with the exchanges) only for some runs, so that a few can still be re-judged here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from bench.faults import outcome
+from blackbox.engine import rejudge
+from servers.vllm_plugin.faults import fired_counts, skipped_counts
+
+
+def counts(log: Path, fault: str) -> tuple[int, int]:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return fired_counts(text).get(fault, 0), skipped_counts(text).get(fault, 0)
+
+
+def _pair(text: str | None) -> tuple[int, int]:
+    if not text:
+        return 0, 0
+    fired, skipped = text.split(",")
+    return int(fired), int(skipped)
+
+
+def record(run_dir: Path, case: str, seed: int, fault: str | None, before: str | None, after: str | None) -> dict:
+    again = rejudge(run_dir)
+    fired0, skipped0 = _pair(before)
+    fired1, skipped1 = _pair(after)
+    stored = json.loads((run_dir / "verdict.json").read_text())
+    return {
+        "case": case,
+        "seed": seed,
+        "probe": "multiturn",
+        "length": again.config.conversations,
+        "reference_ratio": again.config.reference_ratio,
+        **outcome(again.verdict, again.history, again.config),
+        "stored_status": stored.get("status"),
+        "fault": fault,
+        "fired": fired1 - fired0,
+        "skipped": skipped1 - skipped0,
+        "run": run_dir.name,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m servers.gpu.digest")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("counts")
+    c.add_argument("log", type=Path)
+    c.add_argument("fault")
+    r = sub.add_parser("record")
+    r.add_argument("run_dir", type=Path, help="a run's folder, or the folder holding exactly one")
+    r.add_argument("--case", required=True)
+    r.add_argument("--seed", type=int, required=True)
+    r.add_argument("--fault")
+    r.add_argument("--before", help="fired,skipped before the run")
+    r.add_argument("--after", help="fired,skipped after the run")
+    args = parser.parse_args(argv)
+    if args.command == "counts":
+        print("{},{}".format(*counts(args.log, args.fault)))
+        return 0
+    run_dir = args.run_dir
+    if not (run_dir / "verdict.json").exists():
+        inner = [d for d in run_dir.iterdir() if (d / "verdict.json").exists()] if run_dir.is_dir() else []
+        if len(inner) != 1:
+            print(f"{run_dir}: no single finished run (verdict.json) in it", file=sys.stderr)
+            return 2
+        run_dir = inner[0]
+    rec = record(run_dir, args.case, args.seed, args.fault, args.before, args.after)
+    (run_dir.parent / "record.json").write_text(json.dumps(rec, sort_keys=True) + "\n")
+    print(json.dumps({k: rec[k] for k in ("case", "seed", "status", "caught_by", "needed", "fired", "skipped")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
