@@ -328,7 +328,7 @@ send() {
     local tarball=$W/send-$tag.tar
     tar cf "$tarball" -C "$W/runs" --exclude='*/exchanges.jsonl' "${names[@]}"
     ((${#full[@]})) && tar rf "$tarball" -C "$W/runs" "${full[@]}"
-    xz -T0 -9 -c "$tarball" | split -b 15M -a 1 - "$OUT/runs-$tag.tar.xz.part-"
+    xz -T0 -6 --block-size=8MiB -c "$tarball" | split -b 15M -a 1 - "$OUT/runs-$tag.tar.xz.part-"
     rm -f "$tarball"
     for d in "${names[@]}"; do touch "$W/sent/$d"; done
     echo "sent ${#names[@]} (whole: ${full[*]:-none}): ${names[*]}"
