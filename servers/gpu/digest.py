@@ -15,14 +15,28 @@ folders (with the exchanges) only for some runs, so that a few can still be re-j
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
-from bench.faults import outcome
 from blackbox.engine import rejudge
 from servers.vllm_plugin.faults import fired_counts, skipped_counts
+
+
+def _bench() -> ModuleType:
+    """bench/faults.py, whose record this is; bench/ is a folder of scripts, not an installed package."""
+    if "bench_faults" in sys.modules:
+        return sys.modules["bench_faults"]
+    spec = importlib.util.spec_from_file_location("bench_faults", Path(__file__).parents[2] / "bench" / "faults.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
 
 
 def counts(log: Path, fault: str) -> tuple[int, int]:
@@ -37,7 +51,9 @@ def _pair(text: str | None) -> tuple[int, int]:
     return int(fired), int(skipped)
 
 
-def record(run_dir: Path, case: str, seed: int, fault: str | None, before: str | None, after: str | None) -> dict:
+def record(
+    run_dir: Path, case: str, seed: int, fault: str | None, before: str | None, after: str | None
+) -> dict[str, Any]:
     again = rejudge(run_dir)
     fired0, skipped0 = _pair(before)
     fired1, skipped1 = _pair(after)
@@ -48,7 +64,7 @@ def record(run_dir: Path, case: str, seed: int, fault: str | None, before: str |
         "probe": "multiturn",
         "length": again.config.conversations,
         "reference_ratio": again.config.reference_ratio,
-        **outcome(again.verdict, again.history, again.config),
+        **_bench().outcome(again.verdict, again.history, again.config),
         "stored_status": stored.get("status"),
         "fault": fault,
         "fired": fired1 - fired0,
