@@ -504,8 +504,8 @@ def test_server_dying_at_start_raises_with_its_log_tail(tmp_path: Path) -> None:
 
 
 def test_server_never_ready_times_out(tmp_path: Path) -> None:
-    script = "import time\nprint('loading', flush=True)\ntime.sleep(60)"
-    silent = fake_spec("reference", free_port(), [sys.executable, "-c", script])
+    # A shell, not Python: on a loaded machine an interpreter can take longer than the 1 s timeout to print.
+    silent = fake_spec("reference", free_port(), ["/bin/sh", "-c", "echo loading; exec sleep 60"])
     with Fleet([silent], tmp_path) as fleet, pytest.raises(ServerStartError) as info:
         fleet.start(timeout_s=1)
     assert "not ready after 1 s" in str(info.value)
