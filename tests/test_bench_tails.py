@@ -1,0 +1,55 @@
+"""bench/tails.py's exceedance beyond the reference's k-th largest: k = 1 is the shipped test, and the negative
+hypergeometric null matches a permutation of exchangeable deviations."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+import sys
+from types import ModuleType
+
+from blackbox import stats
+
+from engine_env import ROOT
+
+
+def _tails() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_tails", ROOT / "bench" / "tails.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tails = _tails()
+
+
+def test_k1_is_the_shipped_exceedance_test() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        x = [rng.random() for _ in range(rng.randint(1, 40))]
+        y = [rng.random() for _ in range(rng.randint(1, 80))]
+        m, p = tails.beyond_kth(x, y, 1)
+        shipped = stats.exceedance(x, y)
+        assert m == shipped.statistic
+        assert math.isclose(p, shipped.p_value, rel_tol=1e-9)
+
+
+def test_the_null_of_the_kth_threshold_matches_a_permutation() -> None:
+    rng = random.Random(1)
+    draws, at_least = 6000, 0
+    for _ in range(draws):
+        pooled = [rng.random() for _ in range(60)]
+        m, _ = tails.beyond_kth(pooled[:20], pooled[20:], 3)
+        at_least += m >= 5
+    _, exact = tails.beyond_kth([2.0] * 5 + [0.0] * 15, [1.0] * 3 + [0.5] * 37, 3)  # exactly 5 beyond the 3rd
+    assert abs(at_least / draws - exact) < 0.012  # 3.5% expected; 4 binomial standard deviations
+
+
+def test_nothing_beyond_reads_p_1_and_too_few_reference_values_read_nothing() -> None:
+    assert tails.beyond_kth([0.1, 0.2], [0.5, 0.4, 0.3], 2) == (0, 1.0)
+    assert tails.beyond_kth([0.1], [0.5], 2) is None
+    assert tails.group("/runs/bench/clean-s12-n32-r2") == "clean-n32-r2"
+    assert tails.group("/work/gpu4/eagle-a-s104") == "eagle-a"
