@@ -307,31 +307,36 @@ v4() {
 }
 
 # The finished run folders not yet sent, as one solid xz tarball split in 15 MiB parts (at most 8 files, 64 MiB
-# come back a call; ~3 MB a run): join with `cat runs-CALL.tar.xz.part-* | xz -d | tar x`.
+# come back a call): join with `cat runs-CALL.tar.xz.part-* | xz -d | tar x`. A run the device has judged (its
+# record.json, fourth sitting) travels as that record and its small files, without the exchanges (~12 MB as xz at 64
+# conversations), except for the first SEND_FULL of them, PASS first; any other run travels whole.
 send() {
     mkdir -p "$W/sent"
-    local d names=() full=() tag
+    local d names=() recorded=() whole=() tag
     for d in "$W"/runs/*/; do
         d=${d%/}
         [ -e "$W/sent/${d##*/}" ] || ! compgen -G "$d/*/verdict.json" >/dev/null && continue
-        # A run of the fourth sitting travels once the device has judged it (its record.json).
+        # A run of the fourth sitting travels once the device has judged it.
         [[ ${d##*/} == eagle-* || ${d##*/} == stale-* ]] && [ ! -e "$d/record.json" ] && continue
-        ((${#names[@]} >= ${SEND_MAX:-64})) && break
+        ((${#names[@]} >= ${SEND_MAX:-16})) && break
         names+=("${d##*/}")
+        if [ -e "$d/record.json" ]; then recorded+=("${d##*/}"); else whole+=("${d##*/}"); fi
     done
     ((${#names[@]})) || { echo "nothing to send"; return; }
-    # Whole folders (with the exchanges, ~12 MB each as xz) for the first SEND_FULL runs, PASS first.
-    mapfile -t full < <(cd "$W/runs" && grep -l '"status": "PASS"' "${names[@]/%//record.json}" 2>/dev/null |
-        xargs -rn1 dirname; printf '%s\n' "${names[@]}")
-    full=($(printf '%s\n' "${full[@]}" | awk '!seen[$0]++' | head -n "${SEND_FULL:-2}"))
+    if ((${#recorded[@]})); then
+        mapfile -t -O "${#whole[@]}" whole < <(cd "$W/runs" && {
+            grep -l '"status": "PASS"' "${recorded[@]/%//record.json}" 2>/dev/null | xargs -rn1 dirname
+            printf '%s\n' "${recorded[@]}"
+        } | awk '!seen[$0]++' | head -n "${SEND_FULL:-2}")
+    fi
     tag=$(date -u +%H%M%S)
     local tarball=$W/send-$tag.tar
-    tar cf "$tarball" -C "$W/runs" --exclude='*/exchanges.jsonl' "${names[@]}"
-    ((${#full[@]})) && tar rf "$tarball" -C "$W/runs" "${full[@]}"
+    ((${#recorded[@]})) && tar cf "$tarball" -C "$W/runs" --exclude='*/exchanges.jsonl' "${recorded[@]}"
+    ((${#whole[@]})) && tar rf "$tarball" -C "$W/runs" "${whole[@]}"
     xz -T0 -6 --block-size=8MiB -c "$tarball" | split -b 15M -a 1 - "$OUT/runs-$tag.tar.xz.part-"
     rm -f "$tarball"
     for d in "${names[@]}"; do touch "$W/sent/$d"; done
-    echo "sent ${#names[@]} (whole: ${full[*]:-none}): ${names[*]}"
+    echo "sent ${#names[@]} (whole: ${whole[*]:-none}): ${names[*]}"
     ls -la "$OUT"
 }
 
