@@ -32,6 +32,7 @@ from scipy.stats import nhypergeom
 from blackbox.engine import rejudge
 from blackbox.graders import LOGPROB, compared_positions, samples
 from blackbox.history import Arm
+from servers.gpu.digest import run_dir
 
 
 def beyond_kth(treatment: Sequence[float], reference: Sequence[float], k: int) -> tuple[int, float] | None:
@@ -42,15 +43,6 @@ def beyond_kth(treatment: Sequence[float], reference: Sequence[float], k: int) -
     m = sum(v > threshold for v in treatment)
     p = float(nhypergeom.sf(m - 1, len(treatment) + len(reference), len(treatment), k)) if m else 1.0
     return m, p
-
-
-def run_dir(path: Path) -> Path:
-    if (path / "verdict.json").exists():
-        return path
-    inner = [d for d in path.iterdir() if (d / "verdict.json").exists()] if path.is_dir() else []
-    if len(inner) != 1:
-        raise ValueError(f"{path}: no single finished run (verdict.json) in it")
-    return inner[0]
 
 
 def measure(path: Path, ks: Sequence[int]) -> dict[str, Any]:

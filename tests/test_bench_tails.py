@@ -52,4 +52,4 @@ def test_nothing_beyond_reads_p_1_and_too_few_reference_values_read_nothing() ->
     assert tails.beyond_kth([0.1, 0.2], [0.5, 0.4, 0.3], 2) == (0, 1.0)
     assert tails.beyond_kth([0.1], [0.5], 2) is None
     assert tails.group("/runs/bench/clean-s12-n32-r2") == "clean-n32-r2"
-    assert tails.group("/work/gpu4/eagle-a-s104") == "eagle-a"
+    assert tails.group("sittings/gpu4/eagle-a-s104") == "eagle-a"

@@ -51,6 +51,16 @@ def _pair(text: str | None) -> tuple[int, int]:
     return int(fired), int(skipped)
 
 
+def run_dir(path: Path) -> Path:
+    """PATH if it is a finished run (its verdict.json), else the one finished run inside it (a series' folder)."""
+    if (path / "verdict.json").exists():
+        return path
+    inner = [d for d in path.iterdir() if (d / "verdict.json").exists()] if path.is_dir() else []
+    if len(inner) != 1:
+        raise ValueError(f"{path}: no single finished run (verdict.json) in it")
+    return inner[0]
+
+
 def record(
     run_dir: Path, case: str, seed: int, fault: str | None, before: str | None, after: str | None
 ) -> dict[str, Any]:
@@ -91,15 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "counts":
         print("{},{}".format(*counts(args.log, args.fault)))
         return 0
-    run_dir = args.run_dir
-    if not (run_dir / "verdict.json").exists():
-        inner = [d for d in run_dir.iterdir() if (d / "verdict.json").exists()] if run_dir.is_dir() else []
-        if len(inner) != 1:
-            print(f"{run_dir}: no single finished run (verdict.json) in it", file=sys.stderr)
-            return 2
-        run_dir = inner[0]
-    rec = record(run_dir, args.case, args.seed, args.fault, args.before, args.after)
-    (run_dir.parent / "record.json").write_text(json.dumps(rec, sort_keys=True) + "\n")
+    try:
+        run = run_dir(args.run_dir)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    rec = record(run, args.case, args.seed, args.fault, args.before, args.after)
+    (run.parent / "record.json").write_text(json.dumps(rec, sort_keys=True) + "\n")
     print(json.dumps({k: rec[k] for k in ("case", "seed", "status", "caught_by", "needed", "fired", "skipped")}))
     return 0
 
