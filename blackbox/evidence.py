@@ -5,14 +5,16 @@ path (the reference's hits, or cold racers). Three one-sided tests share the gra
 
 - Mann-Whitney U on the deviations against the yardstick's scaled by SHIFT_MARGIN: the whole distribution shifted
   by more than a correct engine's systematic differences (every hit a little wrong);
-- exceedance: some subject deviations beyond the yardstick's largest (a fault that fires in some hits only);
+- exceedance: some subject deviations beyond the yardstick's largest, or beyond its 2nd, 3rd .. RANKS-th largest
+  (a fault that fires in some hits only), the best of those thresholds with its exact p-value, so that a few
+  outliers of the yardstick cannot set the threshold for the whole run;
 - Fisher's exact test on a count: bit-level differences where the yardstick is exact, confident token flips
   where it is not.
 
 Before testing, the sample must be able to fail: the smallest attainable p-value, 1 / C(n_s + n_y, n_s), must beat
 the per-test level, or the finding is `InsufficientPower` with the run length that would do. Every PASS states
-the detectable size: a deviation beyond the yardstick's largest, in a fraction q of hits, caught with probability
-0.95 by the exceedance test (binomial tail over the critical count).
+the detectable size: a deviation beyond the yardstick's largest (or its RANKS-th largest), in a fraction q of
+hits, caught with probability 0.95 by the exceedance test (binomial tail over its critical count).
 """
 
 from __future__ import annotations
@@ -34,8 +36,14 @@ POWER = 0.95
 # recomputation in 1 of 32 where the reference's were in 13, both otherwise within one bf16 step (0.0625 nat),
 # and Mann-Whitney read that as a shift (p = 0.0044 at 32 conversations; at the 70 a PASS suggests for 20% it
 # would read FAIL). With the margin that run gives p = 0.36, and both GPU faults still p < 1e-7 (gpu.md).
-# The exceedance test keeps the yardstick's largest as is: it is the one for sporadic faults.
+# The exceedance tests keep the yardstick's values as they are: they are the ones for sporadic faults.
 SHIFT_MARGIN = 1.25
+# How deep into the yardstick's top the exceedance test may put its threshold. Where a correct engine's yardstick
+# has no outliers (the CPU pair) a fault's corrupted hits land beyond all of it and the largest is the sharpest
+# threshold; on the H200 one to three reference outliers (0.43 nat against a next of 0.37) hid 0.2 sporadic faults
+# that put 8-14 hits beyond the 3rd or 4th largest (bench/results/gpu.md). The test takes the best of the four
+# thresholds at its exact level, which costs about a factor 2 in p where the largest was best.
+RANKS = 4
 _TESTS = ("deviation shift", "deviations beyond the yardstick", "count")
 
 
@@ -70,7 +78,9 @@ def judge_samples(
     level = alpha / len(_TESTS)
     base: dict[str, Any] = {"n_subject": len(subject), "n_yardstick": len(yardstick), "alpha": alpha}
     if stats.min_p_two_sample(len(subject), len(yardstick)) >= level:
-        need = stats.conversations_needed(runs, len(subject), level, ratio=_ratio(len(subject), len(yardstick)))
+        need = stats.conversations_needed(
+            runs, len(subject), level, ratio=_ratio(len(subject), len(yardstick)), ranks=RANKS
+        )
         return Finding.from_error(
             check,
             errors.InsufficientPower(
@@ -86,11 +96,14 @@ def judge_samples(
     y_count = sum(getattr(s, counted) for s in yardstick)
     tests = [
         stats.mann_whitney_greater(sx, [SHIFT_MARGIN * y for y in yx]),
-        stats.exceedance(sx, yx),
+        stats.exceedance(sx, yx, RANKS),
         stats.fisher_greater(s_count, len(subject) - s_count, y_count, len(yardstick) - y_count),
     ]
     largest = max(yx)
-    power = _power(len(subject), len(yardstick), y_count, level, largest, what, runs, run_unit)
+    deep = stats.kth_largest(yx, min(RANKS, len(yx)))
+    # What a FAIL lists for replay: the samples beyond the threshold that decided, or beyond the largest.
+    listed = stats.kth_largest(yx, tests[1].rank) if tests[1].p_value < level else largest
+    power = _power(len(subject), len(yardstick), y_count, level, (largest, deep), what, runs, run_unit)
     figures = {
         **base,
         "alpha_per_test": level,
@@ -103,11 +116,13 @@ def judge_samples(
         "subject_identical": sum(not s.differs for s in subject),
         "yardstick_identical": sum(not s.differs for s in yardstick),
         "p_values": {name: t.p_value for name, t in zip(_TESTS, tests, strict=True)},
+        "exceedance_ranks": RANKS,
+        "exceedance_rank": tests[1].rank,  # the threshold (the yardstick's rank-th largest) with the smallest p
         # Every sample any test could have counted against the treatment: beyond the yardstick, or counted.
         "mismatches": [
             {"unit": s.unit, "kind": s.label, "deviation": s.deviation}
             for s in subject
-            if s.deviation > largest or getattr(s, counted)
+            if s.deviation > listed or getattr(s, counted)
         ],
         **power[1],
     }
@@ -118,7 +133,9 @@ def judge_samples(
             errors.CorruptionDetected(
                 f"{what} deviate from recomputation more than {against} do: {'; '.join(failed)} (< {level:.3g}); "
                 f"{s_count}/{len(subject)} {counted_what} vs {y_count}/{len(yardstick)}; "
-                f"{sum(s.deviation > largest for s in subject)} beyond the largest of {against} ({_nat(largest)})",
+                f"{sum(s.deviation > largest for s in subject)} beyond the largest of {against} ({_nat(largest)}), "
+                f"{sum(s.deviation > deep for s in subject)} beyond their {stats.ordinal(RANKS)} largest "
+                f"({_nat(deep)})",
                 hint=hint,
             ),
             **figures,
@@ -133,22 +150,34 @@ def judge_samples(
 
 
 def _power(
-    n_s: int, n_y: int, y_count: int, level: float, largest: float, what: str, runs: int, run_unit: str
+    n_s: int,
+    n_y: int,
+    y_count: int,
+    level: float,
+    thresholds: tuple[float, float],  # the yardstick's largest, and its RANKS-th largest
+    what: str,
+    runs: int,
+    run_unit: str,
 ) -> tuple[str, dict[str, Any]]:
-    """The detectable size. Beyond a finite largest yardstick deviation, the exceedance test's critical count;
+    """The detectable size. Beyond a finite largest yardstick deviation, each exceedance test's critical count;
     where the yardstick itself holds a confident flip nothing lies beyond it, so the count test's (Fisher's)
     critical count of flipped subject samples, given the yardstick's, is what the run could see."""
-    for20 = None
+    largest, deep = thresholds
+    for20 = q_deep = None
     if largest == math.inf:
         critical = stats.fisher_critical(n_s, n_y, y_count, level)
         size = "confident token flips"
     else:
-        critical = stats.exceedance_critical(n_s, n_y, level)
+        critical = stats.exceedance_critical(n_s, n_y, level, ranks=RANKS)
         size = f"a deviation beyond {_nat(largest)}" if largest > 0 else "any difference from recomputation"
-        for20 = stats.conversations_needed(runs, n_s, level, 0.2, POWER, ratio=_ratio(n_s, n_y))
+        for20 = stats.conversations_needed(runs, n_s, level, 0.2, POWER, ratio=_ratio(n_s, n_y), ranks=RANKS)
+        if deep < largest:
+            q_deep = stats.detectable_fraction(n_s, stats.exceedance_critical(n_s, n_y, level, RANKS, RANKS), POWER)
     q = stats.detectable_fraction(n_s, critical, POWER)
     sentence = (
-        f"{size} in >= {q:.0%} of {what} would have been detected with probability {POWER}"
+        f"{size} in >= {q:.0%} of {what}"
+        + (f", or beyond {_nat(deep)} (their {stats.ordinal(RANKS)} largest) in >= {q_deep:.0%}," if q_deep else "")
+        + f" would have been detected with probability {POWER}"
         if q is not None
         else f"not even {size} in every one of the {what} could have been detected"
     )
@@ -157,6 +186,8 @@ def _power(
     figures = {
         "detectable_fraction": q,
         "detectable_deviation": largest,
+        "detectable_fraction_deep": q_deep,
+        "detectable_deviation_deep": deep,
         "detection_power": POWER,
         "conversations_for_20pct": for20,
     }

@@ -1,8 +1,8 @@
 """The tests the graders use, and what a sample of a given size could ever show.
 
 Every test is one-sided in the direction "the treatment is worse". The tests come from scipy.stats; only the
-exceedance test is written here, because scipy has no test for "a subset of x lies beyond every y" (it is checked
-against an enumeration of permutations in the tests).
+exceedance test is assembled here, because scipy has no test for "a subset of x lies beyond the k-th largest y":
+its null is scipy's negative hypergeometric law (checked against permutations in the tests).
 
 Power. A grader asks, before it tests, whether its sample could reach significance at all: for the two-sample
 rank, exceedance and Fisher tests the smallest attainable one-sided p-value is 1 / C(n_x + n_y, n_x) (every x
@@ -12,23 +12,28 @@ is not run (`InsufficientPower`), since "no significant difference" from it woul
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from scipy import stats as sp
 
 __all__ = [
     "TestResult",
+    "beyond",
     "conversations_needed",
     "detectable_fraction",
     "exceedance",
     "exceedance_critical",
     "fisher_critical",
     "fisher_greater",
+    "kth_largest",
     "mann_whitney_greater",
     "min_p_sign",
     "min_p_two_sample",
+    "ordinal",
     "quantile",
     "sign_critical",
     "sign_test",
@@ -44,6 +49,7 @@ class TestResult:
     statistic: float
     p_value: float
     n: int
+    rank: int = 1  # exceedance: the threshold (the reference's rank-th largest) that gave the smallest p
 
     def describe(self) -> str:
         return f"{self.name}: statistic {self.statistic:.4g}, p = {self.p_value:.3g} (n = {self.n})"
@@ -84,20 +90,86 @@ def fisher_greater(a: int, b: int, c: int, d: int) -> TestResult:
     return TestResult("Fisher exact (treatment rate > reference rate)", float(a), min(1.0, float(p)), a + b + c + d)
 
 
-def exceedance(x: Sequence[float], y: Sequence[float]) -> TestResult:
-    """Exact test that a subset of x lies beyond all of y: m = #x above max(y); under exchangeability
-    P(M >= m) = C(n_x, m) / C(n_x + n_y, m). Sharper than a rank test when only some x are shifted (a fault that
-    fires in some conversations), and it needs no distributional assumption."""
+def exceedance(x: Sequence[float], y: Sequence[float], ranks: int = 1) -> TestResult:
+    """Exact test that a subset of x lies beyond the top of y: m_k = #x above y's k-th largest, for k = 1..ranks.
+
+    Under exchangeability, reading the pooled values from the top, the x seen before the k-th y follow a negative
+    hypergeometric law (`scipy.stats.nhypergeom(n_x + n_y, n_x, k)`); for k = 1, P(M >= m) = C(n_x, m) /
+    C(n_x + n_y, m). Sharper than a rank test when only some x are shifted (a fault that fires in some
+    conversations), and it needs no distributional assumption. With ranks > 1 the statistic is the smallest of
+    the k p-values, and its own p-value is exact (`_TailNull`), so a few outliers of y cannot set the threshold
+    for the run and trying several thresholds costs no false alarms."""
     n1, n2 = len(x), len(y)
+    ranks = max(1, min(ranks, n2))
+    name = "exceedance (treatment beyond the reference's max)"
+    if ranks > 1:
+        name = f"exceedance (treatment beyond one of the reference's {ranks} largest)"
     if n1 == 0 or n2 == 0:
-        return TestResult("exceedance (treatment beyond the reference's max)", 0.0, 1.0, n1 + n2)
-    top = max(y)
-    m = sum(v > top for v in x)
-    return TestResult("exceedance (treatment beyond the reference's max)", float(m), _exceed_p(n1, n2, m), n1 + n2)
+        return TestResult(name, 0.0, 1.0, n1 + n2)
+    top = sorted(y, reverse=True)[:ranks]
+    beyond = [sum(v > t for v in x) for t in top]
+    null = _TailNull.of(n1, n2, ranks)
+    smallest, best = min((null.p_k[k][m], k) for k, m in enumerate(beyond))
+    return TestResult(name, float(beyond[best]), null.p_value(smallest), n1 + n2, rank=best + 1)
 
 
-def _exceed_p(n1: int, n2: int, m: int) -> float:
-    return math.comb(n1, m) / math.comb(n1 + n2, m)
+def beyond(x: Sequence[float], y: Sequence[float], k: int) -> int:
+    """How many x lie beyond the k-th largest y (0 when y has fewer)."""
+    return sum(v > sorted(y, reverse=True)[k - 1] for v in x) if len(y) >= k else 0
+
+
+def kth_largest(values: Sequence[float], k: int) -> float:
+    return sorted(values, reverse=True)[k - 1]
+
+
+def ordinal(k: int) -> str:
+    return f"{k}{'st' if k == 1 else 'nd' if k == 2 else 'rd' if k == 3 else 'th'}"
+
+
+@dataclass(frozen=True)
+class _TailNull:
+    """The exact null of the smallest exceedance p-value over the thresholds k = 1..ranks.
+
+    Reading the pooled values from the top, let m_k be the x seen before the k-th y. A path with m_1 <= ... <= m_K
+    fixes the first m_K + K labels, so P(m_1 = a_1, ..., m_K = a_K) = C(N - a_K - K, n_x - a_K) / C(N, n_x). The
+    smallest p-value min_k P_k(m_k) stays above t exactly when every m_k stays below c_k(t), the least count whose
+    p-value is <= t; that probability is a count of nondecreasing paths under the c_k, weighted as above, in exact
+    integers. scipy has the marginals (nhypergeom), not this joint law; tests check it against permutations."""
+
+    n1: int
+    n2: int
+    ranks: int
+    p_k: tuple[tuple[float, ...], ...]  # p_k[k-1][m] = P(M_k >= m), m = 0..n1
+
+    @staticmethod
+    @functools.lru_cache(maxsize=512)
+    def of(n1: int, n2: int, ranks: int) -> _TailNull:
+        m = np.arange(n1 + 1)
+        p_k = tuple(
+            tuple(float(v) for v in np.where(m > 0, sp.nhypergeom.sf(m - 1, n1 + n2, n1, k), 1.0))
+            for k in range(1, ranks + 1)
+        )
+        return _TailNull(n1, n2, ranks, p_k)
+
+    def p_value(self, smallest: float) -> float:
+        if self.ranks == 1:
+            return smallest
+        # Counts whose p-value is within rounding of the observed one count as reaching it (conservative).
+        cut = smallest * (1 + 1e-9)
+        bounds = [next((a for a, p in enumerate(row) if p <= cut), self.n1 + 1) for row in self.p_k]
+        paths = [1 if a < bounds[0] else 0 for a in range(self.n1 + 1)]
+        for bound in bounds[1:]:
+            running, paths = 0, [*paths]
+            for a in range(self.n1 + 1):
+                running += paths[a]
+                paths[a] = running if a < bound else 0
+        total, k, n = math.comb(self.n1 + self.n2, self.n1), self.ranks, self.n1 + self.n2
+        below = sum(paths[a] * math.comb(n - a - k, self.n1 - a) for a in range(self.n1 + 1) if paths[a])
+        return (total - below) / total
+
+    def critical(self, alpha: float, k: int) -> int | None:
+        """The fewest x beyond the k-th largest y that reach p < alpha, whatever lies beyond the larger ones."""
+        return next((m for m in range(1, self.n1 + 1) if self.p_value(self.p_k[k - 1][m]) < alpha), None)
 
 
 def min_p_two_sample(n1: int, n2: int) -> float:
@@ -109,9 +181,13 @@ def min_p_sign(n: int) -> float:
     return 0.5**n
 
 
-def exceedance_critical(n1: int, n2: int, alpha: float) -> int | None:
-    """The fewest x beyond max(y) that the exceedance test calls significant at `alpha`; None if none can."""
-    return next((m for m in range(1, n1 + 1) if _exceed_p(n1, n2, m) < alpha), None)
+def exceedance_critical(n1: int, n2: int, alpha: float, k: int = 1, ranks: int = 1) -> int | None:
+    """The fewest x beyond the k-th largest y that the exceedance test over `ranks` thresholds calls significant at
+    `alpha`; None if none can."""
+    ranks = min(max(ranks, k), n2)
+    if n1 == 0 or n2 < k:
+        return None
+    return _TailNull.of(n1, n2, ranks).critical(alpha, k)
 
 
 def fisher_critical(n1: int, n2: int, count2: int, alpha: float) -> int | None:
@@ -145,6 +221,7 @@ def conversations_needed(
     fraction: float | None = None,
     power: float = 0.95,
     ratio: float = 1.0,
+    ranks: int = 1,
 ) -> int | None:
     """How many conversations a run needs, at the same yield of `units` per conversation and a yardstick `ratio`
     times the subject's size, for a two-sample exceedance test at `alpha` to be able to fail at all (fraction
@@ -154,7 +231,7 @@ def conversations_needed(
     n_conv = max(2, conversations)
     while n_conv <= 4096:
         n = max(1, math.floor(n_conv * yield_))
-        crit = exceedance_critical(n, max(1, round(n * ratio)), alpha)
+        crit = exceedance_critical(n, max(1, round(n * ratio)), alpha, ranks=ranks)
         q = detectable_fraction(n, crit, power) if crit is not None and fraction is not None else None
         if crit is not None and (fraction is None or (q is not None and q <= fraction)):
             return n_conv

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 from scipy import stats as sp
 
-from blackbox import graders
+from blackbox import evidence, graders, stats
 from blackbox.compare import deviation
 from blackbox.config import Grading
 from blackbox.gates import in_prefill_region
@@ -393,7 +393,11 @@ def test_a_subset_of_conversations_far_beyond_the_reference_is_corruption() -> N
     finding = graders.logprob(logprob_history(treatment, NOISE), GRADING)
     assert finding.status is Status.FAIL
     p = finding.figures["p_values"]["deviations beyond the yardstick"]
-    assert p == pytest.approx(math.comb(12, 8) / math.comb(24, 8))
+    # beyond the largest is the best threshold here; trying the 4 largest costs under a factor 2 in p
+    single = math.comb(12, 8) / math.comb(24, 8)
+    assert finding.figures["exceedance_rank"] == 1
+    assert p == pytest.approx(stats.exceedance(treatment, NOISE, evidence.RANKS).p_value)
+    assert single < p < 2 * single < LEVEL
     assert [m["unit"] for m in finding.figures["mismatches"]] == list(range(4, 12))
 
 
@@ -421,7 +425,7 @@ def test_a_larger_yardstick_catches_corruption_in_fewer_hits() -> None:
     assert (larger.figures["n_subject"], larger.figures["n_yardstick"]) == (32, 96)
     assert larger.error_class == "CorruptionDetected", larger.reason
     p = larger.figures["p_values"]["deviations beyond the yardstick"]
-    assert p == pytest.approx(math.comb(32, 6) / math.comb(32 + 96, 6))
+    assert math.comb(32, 6) / math.comb(32 + 96, 6) < p < LEVEL
     assert alone.figures["detectable_fraction"] > larger.figures["detectable_fraction"]
     assert [m["unit"] for m in larger.figures["mismatches"]] == list(range(26, 32))
 
@@ -440,9 +444,12 @@ def test_deviations_at_the_noise_floor_on_both_arms_pass_with_a_power_statement(
     assert min(finding.figures["p_values"].values()) > 0.3
     q = finding.figures["detectable_fraction"]
     assert 0 < q < 1
-    assert f"in >= {q:.0%} of treatment decode-region hits would have been detected with probability 0.95" in (
-        finding.reason
-    )
+    deep, q_deep = finding.figures["detectable_deviation_deep"], finding.figures["detectable_fraction_deep"]
+    assert deep < finding.figures["detectable_deviation"] and q < q_deep < 1  # a smaller size, in more hits
+    assert (
+        f"in >= {q:.0%} of treatment decode-region hits, or beyond {deep:.3g} nat (their 4th largest) in >= "
+        f"{q_deep:.0%}, would have been detected with probability 0.95"
+    ) in finding.reason
     assert finding.figures["detection_power"] == 0.95
 
 

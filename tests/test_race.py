@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import pytest
 
-from blackbox import errors, gates, graders, metrics, race
+from blackbox import errors, gates, graders, metrics, race, stats
 from blackbox.client import Endpoint
 from blackbox.compare import deviation
 from blackbox.config import Grading
@@ -545,7 +545,8 @@ def test_followups_at_the_cold_racers_level_pass() -> None:
 
 
 # Follow-ups all in the upper part of the racers' noise, none beyond its largest: only the rank test sees them.
-HIGH = tuple(0.054 + 0.005 * i / 8 for i in range(9))  # 0.054 .. 0.059, below COLD's 0.06
+# Below its 4th largest too (0.0529), where the exceedance test's deepest threshold lies.
+HIGH = tuple(0.046 + 0.006 * i / 8 for i in range(9))  # 0.046 .. 0.052, below COLD's top six
 
 
 def test_each_test_runs_at_a_third_of_alpha() -> None:
@@ -571,8 +572,13 @@ def test_confident_flips_in_followups_only_are_corruption_through_the_count_test
     p, level = finding.figures["p_values"], finding.figures["alpha_per_test"]
     assert p["deviation shift"] >= level  # the rank test alone would pass this
     assert p["count"] < level
-    # a confident flip is an infinite deviation, so it is also beyond every racer
-    assert p["deviations beyond the yardstick"] == pytest.approx(math.comb(16, 6) / math.comb(48, 6))
+    # a confident flip is an infinite deviation, so it is also beyond every racer; the exceedance test tries the
+    # racers' 4 largest as thresholds and pays for that (its single-threshold p is C(16, 6) / C(48, 6))
+    single = math.comb(16, 6) / math.comb(48, 6)
+    assert p["deviations beyond the yardstick"] == pytest.approx(
+        stats.exceedance([math.inf] * 6 + [0.0] * 10, FISHER_COLD, 4).p_value
+    )
+    assert single < p["deviations beyond the yardstick"] < 4 * single
     assert finding.figures["counted"] == "hard"
     assert finding.figures["subject_deviation"]["hard"] == 6
     assert finding.figures["yardstick_deviation"]["hard"] == 0
@@ -605,12 +611,13 @@ def test_confident_flips_are_corruption_even_when_a_cold_racer_flipped_too() -> 
     finding = divergence(deviating_race(cold, hits, followups=4))
     assert_corruption(finding)
     assert "10/16 flip a confident token vs 1/32" in finding.reason
-    # One racer's flip makes the racers' largest deviation infinite, so nothing lies beyond it: the exceedance
-    # test is blind and the count test alone decides.
-    assert finding.figures["p_values"]["deviations beyond the yardstick"] == 1.0
+    # One racer's flip makes the racers' largest deviation infinite, so nothing lies beyond it; the exceedance
+    # test's deeper thresholds (the racers' 2nd to 4th largest) are finite and see the ten flips, as does the
+    # count test. The flipped follow-ups are what the finding lists for replay.
     assert finding.figures["p_values"]["count"] < finding.figures["alpha_per_test"]
-    # NOTE: the flipped follow-ups ought to be listed in `mismatches` for the hint's replay; evidence.py lists only
-    # deviations beyond the yardstick's largest (none here). Reported to the lead, not asserted either way.
+    assert finding.figures["p_values"]["deviations beyond the yardstick"] < finding.figures["alpha_per_test"]
+    assert finding.figures["exceedance_rank"] > 1
+    assert sorted(listed(finding)) == sorted(followup_ids(range(10), followups=4))
 
 
 # --- race_divergence: what counts as evidence ---------------------------------------------------------------

@@ -217,3 +217,60 @@ def test_a_larger_yardstick_needs_fewer_conversations() -> None:
     double = stats.conversations_needed(32, 31, level, 0.2, ratio=2.0)
     assert alike is not None and double is not None and double < alike
     assert stats.exceedance_critical(31, 62, level) == 6 < stats.exceedance_critical(31, 31, level) == 9  # type: ignore[operator]
+
+
+# --- exceedance over several thresholds ---------------------------------------------------------------------
+
+
+def test_one_threshold_is_the_closed_form() -> None:
+    result = stats.exceedance([0.9, 0.8, 0.7, 0.1], [0.5, 0.4, 0.3, 0.2, 0.05], ranks=1)
+    assert (result.statistic, result.rank) == (3, 1)
+    assert result.p_value == pytest.approx(math.comb(4, 3) / math.comb(9, 3))
+
+
+def test_the_best_of_several_thresholds_is_exact_under_exchangeability() -> None:
+    # Every split of 9 distinct values into 4 x and 5 y is equally likely under the null; the test's p-value at
+    # each attainable statistic must equal the share of splits whose p-value is at most it.
+    values = list(range(9))
+    ps = []
+    for xs in itertools.combinations(values, 4):
+        ys = [v for v in values if v not in xs]
+        ps.append(stats.exceedance(list(xs), ys, ranks=3).p_value)
+    for p in set(ps):
+        assert sum(q <= p for q in ps) / len(ps) == pytest.approx(p)
+    assert min(ps) == pytest.approx(1 / math.comb(9, 4))
+
+
+def test_several_thresholds_hold_their_level_against_a_permutation() -> None:
+    rng = random.Random(7)
+    pooled = [rng.random() for _ in range(60)]
+    draws, level, below = 4000, 0.05, 0
+    for _ in range(draws):
+        rng.shuffle(pooled)
+        below += stats.exceedance(pooled[:20], pooled[20:], ranks=4).p_value <= level
+    assert below / draws <= level + 3 * math.sqrt(level * (1 - level) / draws)
+    assert below / draws >= level / 2  # not grossly conservative either
+
+
+def test_a_reference_outlier_does_not_blind_the_deeper_thresholds() -> None:
+    reference = [0.1 + 0.001 * i for i in range(126)] + [0.3, 0.9]  # 128, one outlier at 0.9
+    treatment = [0.05] * 54 + [0.5] * 10  # ten hits beyond all but the outlier
+    single, best = stats.exceedance(treatment, reference), stats.exceedance(treatment, reference, ranks=4)
+    assert single.statistic == 0 and single.p_value == 1.0
+    assert best.rank == 2 and best.statistic == 10
+    assert best.p_value < 0.005 / 3 < single.p_value
+
+
+def test_the_critical_count_of_several_thresholds() -> None:
+    level = 0.005 / 3
+    for k in (1, 4):
+        m = stats.exceedance_critical(64, 128, level, k, ranks=4)
+        assert m is not None
+        reference = [float(i) for i in range(128)]
+        top = reference[-k]  # k-th largest
+        hits = [top + 1.0] * m + [0.0] * (64 - m)
+        fewer = [top + 1.0] * (m - 1) + [0.0] * (65 - m)
+        assert stats.exceedance(hits, reference, ranks=4).p_value < level
+        assert stats.exceedance(fewer, reference, ranks=4).p_value >= level
+    # trying four thresholds costs one hit beyond the largest at 64 against 128
+    assert stats.exceedance_critical(64, 128, level, ranks=4) == stats.exceedance_critical(64, 128, level) + 1  # type: ignore[operator]
