@@ -19,6 +19,7 @@
 #             sporadic (third sitting); `send` puts the finished run folders into $OUT as split solid tarballs
 #   start-v4, v4: the sporadic faults at 0.2 over seeds, two triples per fault, PIECEWISE (fourth sitting); each
 #             run judged on the device (servers.gpu.digest), `send` then ships records and small files
+#   start-v5, v5: the same with both faults in both shapes, seeds from 200 (fifth sitting)
 #   onegpu    stop every server, then the launcher's own one-GPU mode (three roles, memory fractions, one by
 #             one) and a clean blackbox run against it
 #
@@ -265,12 +266,18 @@ v3() {
 # PIECEWISE (a 64-conversation run is about half an eager one's time; the faults patch the scheduler, outside any
 # graph). Each run is judged again on the device (servers.gpu.digest, in the background while the next runs)
 # and `send` ships its record and small files, whole folders only for a few.
-start_v4() {
-    local name fault shape port
-    for spec in eagle-a:eagle-overrun:block:8140 eagle-b:eagle-overrun:block:8170 \
-        stale-a:stale-checkpoint:restore:8150 stale-b:stale-checkpoint:restore:8180; do
-        IFS=: read -r name fault shape port <<<"$spec"
-        BLACKBOX_FAULT_SPORADIC=${SPORADIC:-0.2} BLACKBOX_FAULT_SHAPE=$shape \
+# Each triple: NAME:FAULT:SHAPE:PORT:FRACTION:SEED0 (treatment at PORT, control PORT+1, reference PORT+2).
+V4_SPECS="eagle-a:eagle-overrun:block:8140:${SPORADIC:-0.2}:0 eagle-b:eagle-overrun:block:8170:${SPORADIC:-0.2}:100
+stale-a:stale-checkpoint:restore:8150:${SPORADIC:-0.2}:0 stale-b:stale-checkpoint:restore:8180:${SPORADIC:-0.2}:100"
+# Fifth sitting: the adaptive exceedance threshold (evidence.RANKS) on both faults in both shapes at 0.2.
+V5_SPECS="eagle-a:eagle-overrun:block:8140:0.2:200 stale-a:stale-checkpoint:restore:8150:0.2:200
+eagle-r:eagle-overrun:restore:8170:0.2:200 stale-k:stale-checkpoint:block:8180:0.2:200"
+
+start_v4() { # SPECS
+    local name fault shape port frac seed0
+    for spec in $1; do
+        IFS=: read -r name fault shape port frac seed0 <<<"$spec"
+        BLACKBOX_FAULT_SPORADIC=$frac BLACKBOX_FAULT_SHAPE=$shape \
             $D serve "f-$name" treatment "$port" --fault "$fault" -- "${KV[@]}" "${PW[@]}"
         $D serve "c-$name" control $((port + 1)) -- "${KV[@]}" "${PW[@]}"
         $D serve "r-$name" reference $((port + 2)) -- "${KV[@]}" "${PW[@]}"
@@ -294,14 +301,18 @@ series4() { # NAME CASE FAULT PORT SEED0: seeds one after another while SPORADIC
     wait
 }
 
-v4() {
-    $D wait $(($(left) - ${PROBE_RESERVE:-200})) 8140 8141 8142 8170 8171 8172 8150 8151 8152 8180 8181 8182
+v4() { # SPECS
+    local name fault shape port frac seed0 ports=()
+    for spec in $1; do
+        IFS=: read -r name fault shape port frac seed0 <<<"$spec"
+        ports+=("$port" $((port + 1)) $((port + 2)))
+    done
+    $D wait $(($(left) - ${PROBE_RESERVE:-200})) "${ports[@]}"
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv
-    local frac=${SPORADIC:-0.2}
-    series4 eagle-a "eagle-overrun $frac block" eagle-overrun 8140 0 &
-    series4 eagle-b "eagle-overrun $frac block" eagle-overrun 8170 100 &
-    series4 stale-a "stale-checkpoint $frac restore" stale-checkpoint 8150 0 &
-    series4 stale-b "stale-checkpoint $frac restore" stale-checkpoint 8180 100 &
+    for spec in $1; do
+        IFS=: read -r name fault shape port frac seed0 <<<"$spec"
+        series4 "$name" "$fault $frac $shape" "$fault" "$port" "$seed0" &
+    done
     wait
     cat "$W"/logs/digest-*.out 2>/dev/null | grep '^{' | sort | uniq
 }
@@ -351,8 +362,10 @@ for step in "$@"; do
     verdicts) verdicts ;;
     start-v3) start_v3 ;;
     v3) v3 ;;
-    start-v4) start_v4 ;;
-    v4) v4 ;;
+    start-v4) start_v4 "$V4_SPECS" ;;
+    v4) v4 "$V4_SPECS" ;;
+    start-v5) start_v4 "$V5_SPECS" ;;
+    v5) v4 "$V5_SPECS" ;;
     send) send ;;
     onegpu) onegpu ;;
     kernels) (cd "$W/bb" && python3 -m servers.gpu.compare_kernels --seeds "${KERNEL_SEEDS:-200}") ;;
