@@ -256,7 +256,9 @@ def regrade(args: argparse.Namespace, stamp: Mapping[str, str]) -> int:
             continue
         again = rejudge(folder)
         ran_at = r.get("ran_at", r["commit"])
-        append_run(args.runs, {**r, **outcome(again.verdict, again.history, again.config), **stamp, "ran_at": ran_at})
+        sent_by = r.get("sent_by", made_by(r))  # the command that sent the traffic, kept through regrades
+        again_r = {**r, **outcome(again.verdict, again.history, again.config), **stamp}
+        append_run(args.runs, {**again_r, "ran_at": ran_at, "sent_by": sent_by})
         done += 1
         print(
             f"  {r['case']} seed {r['seed']} n={r['length']}: {r['status']} -> {again.verdict.status.value}", flush=True
@@ -370,7 +372,7 @@ def case_row(case: Case, records: Sequence[Mapping[str, Any]], reference_ratio: 
     fired = sum(r["fired"] for r in runs)
     candidates = fired + sum(r["skipped"] for r in runs)
     fire_txt = "-" if clean else f"{fired}/{candidates}" + (f" ({fired / candidates:.0%})" if candidates else "")
-    made = sorted({f"`{r['command']}` {r['date']} {r['commit']}" for r in records})
+    made = sorted({made_by(r) for r in records} | {r["sent_by"] for r in records if "sent_by" in r})
     fault = "-" if clean else f"{case.fault} ({case.sporadic:g}, {case.shape})"
     cells = (
         case.name + (f", reference {reference_ratio}x" if case.has_yardstick else ""),
@@ -388,6 +390,10 @@ def case_row(case: Case, records: Sequence[Mapping[str, Any]], reference_ratio: 
         "; ".join(made),
     )
     return "| " + " | ".join(cells) + " |"
+
+
+def made_by(record: Mapping[str, Any]) -> str:
+    return f"`{record['command']}` {record['date']} {record['commit']}"
 
 
 def table(runs: Sequence[Mapping[str, Any]]) -> str:

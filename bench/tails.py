@@ -2,17 +2,19 @@
 
     .venv/bin/python bench/tails.py RUN_DIR... [--k 1,2,3,4] [--level 0.00167] [--out tails.jsonl]
 
-The shipped exceedance test counts treatment decode-region deviations beyond the reference's *largest* and asks how
-likely that many are under exchangeability (`stats.exceedance`). One outlier among the reference's deviations raises
-that threshold for the whole run: on the H200 a 0.2 sporadic fault went unseen because the reference's largest was
-0.432 nat where its next was 0.365 and other runs' largest 0.19-0.24 (bench/results/gpu.md, fourth sitting). This
-script measures the alternative on stored traffic, without changing the verdict: for each run (re-judged with this
-checkout's code, `engine.rejudge`), the count m of treatment deviations beyond the reference's k-th largest and its
-exact p-value. Drawing the pooled deviations from the top without replacement, the treatment values seen before the
-k-th reference value follow a negative hypergeometric law (`scipy.stats.nhypergeom(N, n_treatment, k)`); k = 1 is
-the shipped test, C(n_t, m) / C(n_t + n_r, m). Confident token flips (infinite deviations) are left out, as the
-count test (Fisher) judges those. One JSON line per run, then a summary per run group: the smallest p over the
-group for each k (clean groups: how close a false alarm came) and how many runs fell below --level.
+The exceedance test before the fifth GPU sitting counted treatment decode-region deviations beyond the reference's
+*largest* and asked how likely that many are under exchangeability. One outlier among the reference's deviations
+raises that threshold for the whole run: on the H200 a 0.2 sporadic fault went unseen because the reference's
+largest was 0.432 nat where its next was 0.365 and other runs' largest 0.19-0.24 (bench/results/gpu.md, fourth
+sitting). This script measures single deeper thresholds on stored traffic, without changing the verdict: for each
+run (re-judged with this checkout's code, `engine.rejudge`), the count m of treatment deviations beyond the
+reference's k-th largest and its exact p-value. Drawing the pooled deviations from the top without replacement, the
+treatment values seen before the k-th reference value follow a negative hypergeometric law
+(`scipy.stats.nhypergeom(N, n_treatment, k)`); k = 1 is C(n_t, m) / C(n_t + n_r, m). The rule since takes the best
+of k = 1..4 at its exact level (`stats.exceedance(..., ranks=4)`); this script reports each k alone. Confident
+token flips (infinite deviations) are left out, as the count test (Fisher) judges those. One JSON line per run,
+then a summary per run group: the smallest p over the group for each k (clean groups: how close a false alarm
+came) and how many runs fell below --level.
 """
 
 from __future__ import annotations

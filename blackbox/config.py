@@ -44,7 +44,7 @@ class RunConfig:
     # The reference runs this many times the treatment's conversations (the extra ones on the reference alone).
     # A sporadic fault shows as a few treatment hits beyond every reference deviation, and the exceedance test's
     # smallest significant count falls with the yardstick's size: at 32 conversations and the default alpha it
-    # needs 9 such hits against 1x, 6 against 2x, 5 against 3x (stats.exceedance_critical). Extra reference
+    # needs 10 such hits against 1x, 7 against 2x, 5 against 3x (stats.exceedance_critical). Extra reference
     # conversations are independent draws of the same seeded workload, so they stay exchangeable with the
     # treatment's under a correct engine.
     reference_ratio: int = 2

@@ -165,6 +165,11 @@ def test_regrade_rejudges_kept_runs_of_other_commits_and_keeps_their_traffic_fig
     assert (latest[0]["status"], latest[0]["caught_by"], latest[0]["commit"]) == ("PASS", [], "new")
     assert (latest[0]["ran_at"], latest[0]["fired"], latest[0]["wall_s"]) == ("abc", 2, 100.0)
     assert latest[2] == old[1]  # no folder: left as it was
+    # the table still names the command that sent the traffic, beside the regrade
+    sent = bench.made_by(old[0])
+    assert latest[0]["sent_by"] == sent
+    row = bench.case_row(bench.Case("stale-checkpoint 0.1 block", "multiturn", fault="stale-checkpoint"), [latest[0]])
+    assert sent in row and "--regrade kept" in row
 
 
 def test_a_case_alone_starts_and_asks_the_treatment_only(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""bench/tails.py's exceedance beyond the reference's k-th largest: k = 1 is the shipped test, and the negative
-hypergeometric null matches a permutation of exchangeable deviations."""
+"""bench/tails.py's exceedance beyond the reference's k-th largest: k = 1 is the single-threshold test, and the
+negative hypergeometric null matches a permutation of exchangeable deviations."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _tails() -> ModuleType:
 tails = _tails()
 
 
-def test_k1_is_the_shipped_exceedance_test() -> None:
+def test_k1_is_the_single_threshold_exceedance_test() -> None:
     rng = random.Random(0)
     for _ in range(200):
         x = [rng.random() for _ in range(rng.randint(1, 40))]
