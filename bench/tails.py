@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from collections import defaultdict
@@ -29,39 +28,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from scipy.stats import nhypergeom
-
 from blackbox.engine import rejudge
-from blackbox.graders import LOGPROB, compared_positions, samples
-from blackbox.history import Arm
-from servers.gpu.digest import run_dir
+from servers.gpu.digest import beyond_kth, run_dir, thresholds
 
-
-def beyond_kth(treatment: Sequence[float], reference: Sequence[float], k: int) -> tuple[int, float] | None:
-    """(m, p): treatment values beyond the reference's k-th largest, and P(M >= m) under exchangeability."""
-    if len(reference) < k or not treatment:
-        return None
-    threshold = sorted(reference, reverse=True)[k - 1]
-    m = sum(v > threshold for v in treatment)
-    p = float(nhypergeom.sf(m - 1, len(treatment) + len(reference), len(treatment), k)) if m else 1.0
-    return m, p
+__all__ = ["beyond_kth", "group", "main", "measure"]
 
 
 def measure(path: Path, ks: Sequence[int]) -> dict[str, Any]:
     again = rejudge(run_dir(path))
-    history, grading = again.history, again.config.grading
-    n = compared_positions(history, grading)
-
-    def finite(arm: str) -> list[float]:
-        found = samples(history, arm, LOGPROB.pairs, LOGPROB.where, grading.hard_margin, n)
-        return [s.deviation for s in found if math.isfinite(s.deviation)]
-
-    t, r = finite(Arm.TREATMENT), finite(Arm.REFERENCE)
-    row: dict[str, Any] = {"run": str(path), "status": again.verdict.status.value, "n_t": len(t), "n_r": len(r)}
-    for k in ks:
-        got = beyond_kth(t, r, k)
-        row[f"m{k}"], row[f"p{k}"] = got if got else (None, None)
-    return row
+    return {"run": str(path), "status": again.verdict.status.value, **thresholds(again, ks)}
 
 
 def group(run: str) -> str:

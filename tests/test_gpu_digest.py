@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from blackbox.evidence import Sample
+from blackbox.history import Arm
 from blackbox.verdict import Finding, Status, Verdict
 from servers.gpu import digest
 
@@ -46,6 +50,7 @@ def test_a_record_carries_the_verdict_judged_again_and_the_fires_during_the_run(
 ) -> None:
     run = _run_folder(tmp_path, "PASS")
     monkeypatch.setattr(digest, "rejudge", lambda folder: _rejudged_pass())
+    monkeypatch.setattr(digest, "thresholds", lambda again, ks: {"ks": list(ks)})
 
     # The series hands the run's parent folder (plan.sh: $W/runs/NAME); the record lands beside the run.
     assert digest.main(["record", str(run.parent), "--case", "eagle-overrun 0.2 block", "--seed", "3",
@@ -54,6 +59,42 @@ def test_a_record_carries_the_verdict_judged_again_and_the_fires_during_the_run(
     assert (rec["case"], rec["seed"], rec["length"], rec["reference_ratio"]) == ("eagle-overrun 0.2 block", 3, 64, 2)
     assert (rec["status"], rec["stored_status"], rec["caught_by"], rec["needed"]) == ("PASS", "PASS", [], None)
     assert (rec["fired"], rec["skipped"], rec["run"]) == (11, 53, run.name)
+    assert rec["thresholds"] == {"ks": [1, 2, 3, 4]}  # each of the thresholds the exceedance test chooses among
+
+
+def test_thresholds_count_finite_treatment_deviations_beyond_each_reference_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    deviations = {
+        Arm.TREATMENT: [0.9, 0.5, 0.35, 0.1, math.inf],  # the confident flip is the count test's, not counted here
+        Arm.REFERENCE: [0.6, 0.4, 0.3, 0.2, 0.1, 0.05],
+    }
+    monkeypatch.setattr(digest, "compared_positions", lambda history, grading: 4)
+    monkeypatch.setattr(
+        digest,
+        "samples",
+        lambda history, arm, *rest: [Sample(i, "turn2", d, True) for i, d in enumerate(deviations[arm])],
+    )
+    again = SimpleNamespace(history=None, config=SimpleNamespace(grading=SimpleNamespace(hard_margin=1.0)))
+    row = digest.thresholds(again, [1, 2, 3, 4])  # type: ignore[arg-type]
+    assert (row["n_t"], row["n_r"]) == (4, 6)
+    assert [row[f"m{k}"] for k in (1, 2, 3, 4)] == [1, 2, 3, 3]
+    assert row["p1"] == pytest.approx(math.comb(4, 1) / math.comb(10, 1))
+    # 3 of 4 beyond the 4th largest of 6: the shuffled labels put at least 3 treatment values before the 4th
+    # reference one; counted over all C(10, 4) placements of the treatment's values
+    placements = list(itertools.combinations(range(10), 4))
+    assert row["p4"] == pytest.approx(sum(_before_kth(c, 4) >= 3 for c in placements) / len(placements))
+
+
+def _before_kth(treatment_positions: tuple[int, ...], k: int) -> int:
+    """How many treatment values come before the k-th reference value, reading positions 0, 1, ... in order."""
+    seen = 0
+    for position in range(10):
+        if position not in treatment_positions:
+            seen += 1
+            if seen == k:
+                return sum(t < position for t in treatment_positions)
+    return len(treatment_positions)
 
 
 def test_a_folder_without_one_finished_run_gets_no_record(

@@ -17,13 +17,20 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from blackbox.engine import rejudge
+from scipy.stats import nhypergeom
+
+from blackbox.engine import Rejudged, rejudge
+from blackbox.evidence import RANKS
+from blackbox.graders import LOGPROB, compared_positions, samples
+from blackbox.history import Arm
 from servers.vllm_plugin.faults import fired_counts, skipped_counts
 
 
@@ -61,6 +68,36 @@ def run_dir(path: Path) -> Path:
     return inner[0]
 
 
+def beyond_kth(treatment: Sequence[float], reference: Sequence[float], k: int) -> tuple[int, float] | None:
+    """(m, p): treatment values beyond the reference's k-th largest, and P(M >= m) under exchangeability for that
+    threshold alone (negative hypergeometric)."""
+    if len(reference) < k or not treatment:
+        return None
+    threshold = sorted(reference, reverse=True)[k - 1]
+    m = sum(v > threshold for v in treatment)
+    p = float(nhypergeom.sf(m - 1, len(treatment) + len(reference), len(treatment), k)) if m else 1.0
+    return m, p
+
+
+def thresholds(again: Rejudged, ks: Sequence[int]) -> dict[str, Any]:
+    """The logprob grader's finite decode-region deviations, treatment against reference, beyond each of the
+    reference's k-th largest alone: what the exceedance test chose among, kept so that another rule can be
+    weighed on runs whose exchanges did not travel. Confident flips are left out (the count test judges them)."""
+    history, grading = again.history, again.config.grading
+    n = compared_positions(history, grading)
+
+    def finite(arm: str) -> list[float]:
+        found = samples(history, arm, LOGPROB.pairs, LOGPROB.where, grading.hard_margin, n)
+        return [s.deviation for s in found if math.isfinite(s.deviation)]
+
+    t, r = finite(Arm.TREATMENT), finite(Arm.REFERENCE)
+    row: dict[str, Any] = {"n_t": len(t), "n_r": len(r)}
+    for k in ks:
+        got = beyond_kth(t, r, k)
+        row[f"m{k}"], row[f"p{k}"] = got if got else (None, None)
+    return row
+
+
 def record(
     run_dir: Path, case: str, seed: int, fault: str | None, before: str | None, after: str | None
 ) -> dict[str, Any]:
@@ -81,6 +118,7 @@ def record(
         "skipped": skipped1 - skipped0,
         "run": run_dir.name,
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "thresholds": thresholds(again, range(1, RANKS + 1)),
     }
 
 
