@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections import defaultdict
@@ -28,15 +29,38 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from blackbox.engine import rejudge
+from scipy.stats import spearmanr
+
+from blackbox.engine import Rejudged, rejudge
+from blackbox.graders import LOGPROB, compared_positions, samples
+from blackbox.history import Arm
 from servers.gpu.digest import beyond_kth, run_dir, thresholds
 
-__all__ = ["beyond_kth", "group", "main", "measure"]
+__all__ = ["beyond_kth", "group", "main", "measure", "pairing"]
 
 
 def measure(path: Path, ks: Sequence[int]) -> dict[str, Any]:
     again = rejudge(run_dir(path))
-    return {"run": str(path), "status": again.verdict.status.value, **thresholds(again, ks)}
+    return {"run": str(path), "status": again.verdict.status.value, **thresholds(again, ks), **pairing(again)}
+
+
+def pairing(again: Rejudged) -> dict[str, Any]:
+    """Whether a conversation's treatment deviation follows its reference deviation (the same seeded conversation
+    on both): Spearman's rank correlation over the conversations both arms judged with finite deviations. Were it
+    strong, a paired test would beat the two-sample ones; measured, it is not (bench/results/gpu.md)."""
+    history, grading = again.history, again.config.grading
+    n = compared_positions(history, grading)
+
+    def by_unit(arm: str) -> dict[int, float]:
+        found = samples(history, arm, LOGPROB.pairs, LOGPROB.where, grading.hard_margin, n)
+        return {s.unit: s.deviation for s in found if math.isfinite(s.deviation)}
+
+    t, r = by_unit(Arm.TREATMENT), by_unit(Arm.REFERENCE)
+    common = sorted(set(t) & set(r))
+    if len(common) < 3:
+        return {"paired": len(common), "spearman": None, "spearman_p": None}
+    rho = spearmanr([t[u] for u in common], [r[u] for u in common])
+    return {"paired": len(common), "spearman": float(rho.statistic), "spearman_p": float(rho.pvalue)}
 
 
 def group(run: str) -> str:
@@ -65,14 +89,19 @@ def main(argv: list[str] | None = None) -> int:
             with args.out.open("a") as f:
                 f.write(line + "\n")
         groups[group(row["run"])].append(row)
-    print(f"\n| group | runs | verdicts | smallest p, k = {', '.join(map(str, ks))} | below {args.level:.3g} |")
-    print("|---|---|---|---|---|")
+    print(
+        f"\n| group | runs | verdicts | smallest p, k = {', '.join(map(str, ks))} | below {args.level:.3g} "
+        "| treatment-reference Spearman (paired conversations) |"
+    )
+    print("|---|---|---|---|---|---|")
     for name, rows in sorted(groups.items()):
         verdicts = ", ".join(f"{s} {sum(r['status'] == s for r in rows)}" for s in sorted({r["status"] for r in rows}))
         ps = [[r[f"p{k}"] for r in rows if r[f"p{k}"] is not None] for k in ks]
         smallest = " / ".join(f"{min(p):.2g}" if p else "-" for p in ps)
         below = " / ".join(str(sum(v < args.level for v in p)) for p in ps)
-        print(f"| {name} | {len(rows)} | {verdicts} | {smallest} | {below} |")
+        rhos = [r["spearman"] for r in rows if r.get("spearman") is not None]
+        rho = f"{min(rhos):.2f} to {max(rhos):.2f}" if rhos else "-"
+        print(f"| {name} | {len(rows)} | {verdicts} | {smallest} | {below} | {rho} |")
     return 0
 
 

@@ -7,7 +7,9 @@ import importlib.util
 import math
 import random
 import sys
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
+
+import pytest
 
 from blackbox import stats
 
@@ -53,3 +55,26 @@ def test_nothing_beyond_reads_p_1_and_too_few_reference_values_read_nothing() ->
     assert tails.beyond_kth([0.1], [0.5], 2) is None
     assert tails.group("/runs/bench/clean-s12-n32-r2") == "clean-n32-r2"
     assert tails.group("sittings/gpu4/eagle-a-s104") == "eagle-a"
+
+
+def test_pairing_ranks_a_conversations_treatment_deviation_against_its_reference_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from blackbox.evidence import Sample
+    from blackbox.history import Arm
+
+    arms = {
+        Arm.TREATMENT: {0: 0.1, 1: 0.2, 2: 0.3, 3: math.inf, 4: 0.5},  # the flip and the unmatched 4 drop out
+        Arm.REFERENCE: {0: 0.01, 1: 0.02, 2: 0.03, 3: 0.04, 5: 0.06, 6: 0.07},
+    }
+    monkeypatch.setattr(tails, "compared_positions", lambda history, grading: 4)
+    monkeypatch.setattr(
+        tails, "samples", lambda history, arm, *rest: [Sample(u, "turn2", d, True) for u, d in arms[arm].items()]
+    )
+    again = SimpleNamespace(history=None, config=SimpleNamespace(grading=SimpleNamespace(hard_margin=1.0)))
+    row = tails.pairing(again)
+    assert (row["paired"], row["spearman"]) == (3, pytest.approx(1.0))
+    arms[Arm.REFERENCE] = {0: 0.03, 1: 0.02, 2: 0.01}
+    assert tails.pairing(again)["spearman"] == pytest.approx(-1.0)
+    arms[Arm.REFERENCE] = {0: 0.03, 1: 0.02}
+    assert tails.pairing(again) == {"paired": 2, "spearman": None, "spearman_p": None}
