@@ -22,7 +22,6 @@ from scipy import stats as sp
 
 __all__ = [
     "TestResult",
-    "beyond",
     "conversations_needed",
     "detectable_fraction",
     "exceedance",
@@ -111,11 +110,6 @@ def exceedance(x: Sequence[float], y: Sequence[float], ranks: int = 1) -> TestRe
     null = _TailNull.of(n1, n2, ranks)
     smallest, best = min((null.p_k[k][m], k) for k, m in enumerate(beyond))
     return TestResult(name, float(beyond[best]), null.p_value(smallest), n1 + n2, rank=best + 1)
-
-
-def beyond(x: Sequence[float], y: Sequence[float], k: int) -> int:
-    """How many x lie beyond the k-th largest y (0 when y has fewer)."""
-    return sum(v > sorted(y, reverse=True)[k - 1] for v in x) if len(y) >= k else 0
 
 
 def kth_largest(values: Sequence[float], k: int) -> float:
