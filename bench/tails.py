@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from collections import defaultdict
@@ -32,9 +31,8 @@ from typing import Any
 from scipy.stats import spearmanr
 
 from blackbox.engine import Rejudged, rejudge
-from blackbox.graders import LOGPROB, compared_positions, samples
 from blackbox.history import Arm
-from servers.gpu.digest import beyond_kth, run_dir, thresholds
+from servers.gpu.digest import beyond_kth, deviations, run_dir, thresholds
 
 __all__ = ["beyond_kth", "group", "main", "measure", "pairing"]
 
@@ -48,14 +46,7 @@ def pairing(again: Rejudged) -> dict[str, Any]:
     """Whether a conversation's treatment deviation follows its reference deviation (the same seeded conversation
     on both): Spearman's rank correlation over the conversations both arms judged with finite deviations. Were it
     strong, a paired test would beat the two-sample ones; measured, it is not (bench/results/gpu.md)."""
-    history, grading = again.history, again.config.grading
-    n = compared_positions(history, grading)
-
-    def by_unit(arm: str) -> dict[int, float]:
-        found = samples(history, arm, LOGPROB.pairs, LOGPROB.where, grading.hard_margin, n)
-        return {s.unit: s.deviation for s in found if math.isfinite(s.deviation)}
-
-    t, r = by_unit(Arm.TREATMENT), by_unit(Arm.REFERENCE)
+    t, r = deviations(again, Arm.TREATMENT), deviations(again, Arm.REFERENCE)
     common = sorted(set(t) & set(r))
     if len(common) < 3:
         return {"paired": len(common), "spearman": None, "spearman_p": None}

@@ -25,6 +25,7 @@ __all__ = [
     "conversations_needed",
     "detectable_fraction",
     "exceedance",
+    "exceedance_at",
     "exceedance_critical",
     "fisher_critical",
     "fisher_greater",
@@ -110,6 +111,16 @@ def exceedance(x: Sequence[float], y: Sequence[float], ranks: int = 1) -> TestRe
     null = _TailNull.of(n1, n2, ranks)
     smallest, best = min((null.p_k[k][m], k) for k, m in enumerate(beyond))
     return TestResult(name, float(beyond[best]), null.p_value(smallest), n1 + n2, rank=best + 1)
+
+
+def exceedance_at(x: Sequence[float], y: Sequence[float], k: int) -> TestResult | None:
+    """The exceedance test at one threshold, y's k-th largest, alone (None when y has fewer than k values)."""
+    if len(y) < k or not x:
+        return None
+    top = kth_largest(y, k)
+    m = sum(v > top for v in x)
+    p = _TailNull.of(len(x), len(y), k).p_k[k - 1][m]
+    return TestResult(f"exceedance (beyond the reference's {ordinal(k)} largest)", float(m), p, len(x) + len(y), k)
 
 
 def kth_largest(values: Sequence[float], k: int) -> float:

@@ -67,9 +67,11 @@ def test_pairing_ranks_a_conversations_treatment_deviation_against_its_reference
         Arm.TREATMENT: {0: 0.1, 1: 0.2, 2: 0.3, 3: math.inf, 4: 0.5},  # the flip and the unmatched 4 drop out
         Arm.REFERENCE: {0: 0.01, 1: 0.02, 2: 0.03, 3: 0.04, 5: 0.06, 6: 0.07},
     }
-    monkeypatch.setattr(tails, "compared_positions", lambda history, grading: 4)
+    from servers.gpu import digest  # where the per-arm deviations are read
+
+    monkeypatch.setattr(digest, "compared_positions", lambda history, grading: 4)
     monkeypatch.setattr(
-        tails, "samples", lambda history, arm, *rest: [Sample(u, "turn2", d, True) for u, d in arms[arm].items()]
+        digest, "samples", lambda history, arm, *rest: [Sample(u, "turn2", d, True) for u, d in arms[arm].items()]
     )
     again = SimpleNamespace(history=None, config=SimpleNamespace(grading=SimpleNamespace(hard_margin=1.0)))
     row = tails.pairing(again)

@@ -25,8 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from scipy.stats import nhypergeom
-
+from blackbox import stats
 from blackbox.engine import Rejudged, rejudge
 from blackbox.evidence import RANKS
 from blackbox.graders import LOGPROB, compared_positions, samples
@@ -70,27 +69,25 @@ def run_dir(path: Path) -> Path:
 
 def beyond_kth(treatment: Sequence[float], reference: Sequence[float], k: int) -> tuple[int, float] | None:
     """(m, p): treatment values beyond the reference's k-th largest, and P(M >= m) under exchangeability for that
-    threshold alone (negative hypergeometric)."""
-    if len(reference) < k or not treatment:
-        return None
-    threshold = sorted(reference, reverse=True)[k - 1]
-    m = sum(v > threshold for v in treatment)
-    p = float(nhypergeom.sf(m - 1, len(treatment) + len(reference), len(treatment), k)) if m else 1.0
-    return m, p
+    threshold alone."""
+    found = stats.exceedance_at(treatment, reference, k)
+    return (int(found.statistic), found.p_value) if found else None
+
+
+def deviations(again: Rejudged, arm: str) -> dict[int, float]:
+    """The logprob grader's finite decode-region deviations of one arm, by conversation. Confident flips are left
+    out (the count test judges them)."""
+    history, grading = again.history, again.config.grading
+    n = compared_positions(history, grading)
+    found = samples(history, arm, LOGPROB.pairs, LOGPROB.where, grading.hard_margin, n)
+    return {s.unit: s.deviation for s in found if math.isfinite(s.deviation)}
 
 
 def thresholds(again: Rejudged, ks: Sequence[int]) -> dict[str, Any]:
-    """The logprob grader's finite decode-region deviations, treatment against reference, beyond each of the
-    reference's k-th largest alone: what the exceedance test chose among, kept so that another rule can be
-    weighed on runs whose exchanges did not travel. Confident flips are left out (the count test judges them)."""
-    history, grading = again.history, again.config.grading
-    n = compared_positions(history, grading)
-
-    def finite(arm: str) -> list[float]:
-        found = samples(history, arm, LOGPROB.pairs, LOGPROB.where, grading.hard_margin, n)
-        return [s.deviation for s in found if math.isfinite(s.deviation)]
-
-    t, r = finite(Arm.TREATMENT), finite(Arm.REFERENCE)
+    """Treatment against reference deviations beyond each of the reference's k-th largest alone: what the
+    exceedance test chose among, kept so that another rule can be weighed on runs whose exchanges did not
+    travel."""
+    t, r = list(deviations(again, Arm.TREATMENT).values()), list(deviations(again, Arm.REFERENCE).values())
     row: dict[str, Any] = {"n_t": len(t), "n_r": len(r)}
     for k in ks:
         got = beyond_kth(t, r, k)
