@@ -266,7 +266,8 @@ v3() {
 # PIECEWISE (a 64-conversation run is about half an eager one's time; the faults patch the scheduler, outside any
 # graph). Each run is judged again on the device (servers.gpu.digest, in the background while the next runs)
 # and `send` ships its record and small files, whole folders only for a few.
-# Each triple: NAME:FAULT:SHAPE:PORT:FRACTION:SEED0 (treatment at PORT, control PORT+1, reference PORT+2).
+# Each triple: NAME:FAULT:SHAPE:PORT:FRACTION:SEED0[:CONVERSATIONS] (treatment at PORT, control PORT+1,
+# reference PORT+2; conversations default to SPORADIC_CONV, 64).
 V4_SPECS="eagle-a:eagle-overrun:block:8140:${SPORADIC:-0.2}:0 eagle-b:eagle-overrun:block:8170:${SPORADIC:-0.2}:100
 stale-a:stale-checkpoint:restore:8150:${SPORADIC:-0.2}:0 stale-b:stale-checkpoint:restore:8180:${SPORADIC:-0.2}:100"
 # Fifth sitting: the adaptive exceedance threshold (evidence.RANKS) on both faults in both shapes at 0.2; set
@@ -275,9 +276,9 @@ V5_SPECS=${V5_SPECS:-"eagle-a:eagle-overrun:block:8140:0.2:200 stale-a:stale-che
 eagle-r:eagle-overrun:restore:8170:0.2:200 stale-k:stale-checkpoint:block:8180:0.2:200"}
 
 start_v4() { # SPECS
-    local name fault shape port frac seed0
+    local name fault shape port frac seed0 conv
     for spec in $1; do
-        IFS=: read -r name fault shape port frac seed0 <<<"$spec"
+        IFS=: read -r name fault shape port frac seed0 conv <<<"$spec"
         BLACKBOX_FAULT_SPORADIC=$frac BLACKBOX_FAULT_SHAPE=$shape \
             $D serve "f-$name" treatment "$port" --fault "$fault" -- "${KV[@]}" "${PW[@]}"
         $D serve "c-$name" control $((port + 1)) -- "${KV[@]}" "${PW[@]}"
@@ -287,13 +288,14 @@ start_v4() { # SPECS
 
 digest() { (cd "$W/bb" && timeout "${DIGEST_TIMEOUT:-150}" python3 -m servers.gpu.digest "$@"); }
 
-series4() { # NAME CASE FAULT PORT SEED0: seeds one after another while SPORADIC_ROOM seconds are left
-    local name=$1 case=$2 fault=$3 t=$4 seed seed0=$5 before after log=$W/logs/f-$1/treatment.log
-    while (($(left) > ${SPORADIC_ROOM:-160})) && healthy "$t"; do
+series4() { # NAME CASE FAULT PORT SEED0 [CONV]: seeds one after another while a run fits (SPORADIC_ROOM seconds)
+    local name=$1 case=$2 fault=$3 t=$4 seed seed0=$5 conv=${6:-${SPORADIC_CONV:-64}} before after
+    local log=$W/logs/f-$1/treatment.log room=${SPORADIC_ROOM:-$((${6:-${SPORADIC_CONV:-64}} * 9 / 4 + 12))}
+    while (($(left) > room)) && healthy "$t"; do
         seed=$(cat "$W/seed-$name" 2>/dev/null || echo "$seed0")
         echo $((seed + 1)) >"$W/seed-$name"
         before=$(digest counts "$log" "$fault")
-        CONV=${SPORADIC_CONV:-64} bb_triple "$name-s$seed" "$t" $((t + 1)) $((t + 2)) "$seed"
+        CONV=$conv bb_triple "$name-s$seed" "$t" $((t + 1)) $((t + 2)) "$seed"
         after=$(digest counts "$log" "$fault")
         [ -e "$W/runs/$name-s$seed" ] &&
             digest record "$W/runs/$name-s$seed" --case "$case" --seed "$seed" --fault "$fault" \
@@ -303,16 +305,16 @@ series4() { # NAME CASE FAULT PORT SEED0: seeds one after another while SPORADIC
 }
 
 v4() { # SPECS
-    local name fault shape port frac seed0 ports=()
+    local name fault shape port frac seed0 conv ports=()
     for spec in $1; do
-        IFS=: read -r name fault shape port frac seed0 <<<"$spec"
+        IFS=: read -r name fault shape port frac seed0 conv <<<"$spec"
         ports+=("$port" $((port + 1)) $((port + 2)))
     done
     $D wait $(($(left) - ${PROBE_RESERVE:-200})) "${ports[@]}"
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv
     for spec in $1; do
-        IFS=: read -r name fault shape port frac seed0 <<<"$spec"
-        series4 "$name" "$fault $frac $shape" "$fault" "$port" "$seed0" &
+        IFS=: read -r name fault shape port frac seed0 conv <<<"$spec"
+        series4 "$name" "$fault $frac $shape" "$fault" "$port" "$seed0" "$conv" &
     done
     wait
     cat "$W"/logs/digest-*.out 2>/dev/null | grep '^{' | sort | uniq
