@@ -14,7 +14,8 @@ path (the reference's hits, or cold racers). Three one-sided tests share the gra
 Before testing, the sample must be able to fail: the smallest attainable p-value, 1 / C(n_s + n_y, n_s), must beat
 the per-test level, or the finding is `InsufficientPower` with the run length that would do. Every PASS states
 the detectable size: a deviation beyond the yardstick's largest (or its RANKS-th largest), in a fraction q of
-hits, caught with probability 0.95 by the exceedance test (binomial tail over its critical count).
+hits, caught with probability 0.95 by the exceedance test (binomial tail over its critical count), and the run
+lengths that would reach 20% and 10% of hits where this one could not.
 """
 
 from __future__ import annotations
@@ -165,17 +166,23 @@ def _power(
     where the yardstick itself holds a confident flip nothing lies beyond it, so the count test's (Fisher's)
     critical count of flipped subject samples, given the yardstick's, is what the run could see."""
     largest, deep = thresholds
-    for20 = q_deep = None
+    q_deep = None
+    needed: dict[float, int | None] = {0.2: None, 0.1: None}
     if largest == math.inf:
         critical = stats.fisher_critical(n_s, n_y, y_count, level)
         size = "confident token flips"
     else:
         critical = stats.exceedance_critical(n_s, n_y, level, ranks=RANKS)
         size = f"a deviation beyond {_nat(largest)}" if largest > 0 else "any difference from recomputation"
-        for20 = stats.conversations_needed(runs, n_s, level, 0.2, POWER, ratio=_ratio(n_s, n_y), ranks=RANKS)
         if deep < largest:
             q_deep = stats.detectable_fraction(n_s, stats.exceedance_critical(n_s, n_y, level, RANKS, RANKS), POWER)
     q = stats.detectable_fraction(n_s, critical, POWER)
+    if largest != math.inf:
+        # The run lengths that would reach the sizes a sporadic fault has (20% and 10% of resumes).
+        for fraction in needed:
+            needed[fraction] = stats.conversations_needed(
+                runs, n_s, level, fraction, POWER, ratio=_ratio(n_s, n_y), ranks=RANKS
+            )
     sentence = (
         f"{size} in >= {q:.0%} of {what}"
         + (f", or beyond {_nat(deep)} (their {stats.ordinal(RANKS)} largest) in >= {q_deep:.0%}," if q_deep else "")
@@ -183,15 +190,18 @@ def _power(
         if q is not None
         else f"not even {size} in every one of the {what} could have been detected"
     )
-    if for20 and (q is None or q > 0.2):
-        sentence += f"; 20% would need about {for20} {run_unit}"
+    # Only the fractions this run could not promise.
+    asks = [f"{f:.0%} about {n}" for f, n in needed.items() if n and (q is None or q > f)]
+    if asks:
+        sentence += "; " + ", ".join(asks).replace("about", "would need about", 1) + f" {run_unit}"
     figures = {
         "detectable_fraction": q,
         "detectable_deviation": largest,
         "detectable_fraction_deep": q_deep,
         "detectable_deviation_deep": deep,
         "detection_power": POWER,
-        "conversations_for_20pct": for20,
+        "conversations_for_20pct": needed[0.2],
+        "conversations_for_10pct": needed[0.1],
     }
     return sentence, figures
 

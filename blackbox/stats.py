@@ -219,6 +219,7 @@ def detectable_fraction(n: int, critical: int | None, power: float = 0.95) -> fl
     return hi
 
 
+@functools.lru_cache(maxsize=256)  # planning figures for the same run shape recur (every PASS states two)
 def conversations_needed(
     conversations: int,
     units: int,

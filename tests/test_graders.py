@@ -451,6 +451,20 @@ def test_deviations_at_the_noise_floor_on_both_arms_pass_with_a_power_statement(
         f"{q_deep:.0%}, would have been detected with probability 0.95"
     ) in finding.reason
     assert finding.figures["detection_power"] == 0.95
+    # Twelve conversations promise far more than 20% of hits: the PASS names the run lengths for 20% and 10%.
+    for20, for10 = finding.figures["conversations_for_20pct"], finding.figures["conversations_for_10pct"]
+    assert len(NOISE) < for20 < for10
+    assert f"; 20% would need about {for20}, 10% about {for10} conversations" in finding.reason
+
+
+def test_a_pass_names_only_the_run_lengths_it_could_not_promise() -> None:
+    """A run long enough for 20% of hits names only the length for 10%; one long enough for both, neither."""
+    for conversations, asks in ((64, ["10%"]), (160, [])):
+        stated = evidence._power(conversations, 2 * conversations, 0, LEVEL, (0.2, 0.18), "hits", conversations, "x")
+        promised = stated[1]["detectable_fraction"]
+        named = [f for f in ("20%", "10%") if f"{f} would need" in stated[0] or f"{f} about" in stated[0]]
+        assert named == asks, stated[0]
+        assert all(float(f[:-1]) / 100 < promised for f in named)
 
 
 def _late_drift_history(position: int, deltas: dict[str, MetricsDelta] | None = None) -> History:
