@@ -191,9 +191,11 @@ def _power(
         else f"not even {size} in every one of the {what} could have been detected"
     )
     # Only the fractions this run could not promise.
-    asks = [f"{f:.0%} about {n}" for f, n in needed.items() if n and (q is None or q > f)]
+    asks = [(f, n) for f, n in needed.items() if n and (q is None or q > f)]
     if asks:
-        sentence += "; " + ", ".join(asks).replace("about", "would need about", 1) + f" {run_unit}"
+        (f, n), *rest = asks
+        others = "".join(f", {f:.0%} about {n}" for f, n in rest)
+        sentence += f"; {f:.0%} would need about {n}{others} {run_unit}"
     figures = {
         "detectable_fraction": q,
         "detectable_deviation": largest,

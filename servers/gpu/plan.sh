@@ -290,7 +290,7 @@ digest() { (cd "$W/bb" && timeout "${DIGEST_TIMEOUT:-150}" python3 -m servers.gp
 
 series4() { # NAME CASE FAULT PORT SEED0 [CONV]: seeds one after another while a run fits (SPORADIC_ROOM seconds)
     local name=$1 case=$2 fault=$3 t=$4 seed seed0=$5 conv=${6:-${SPORADIC_CONV:-64}} before after
-    local log=$W/logs/f-$1/treatment.log room=${SPORADIC_ROOM:-$((${6:-${SPORADIC_CONV:-64}} * 9 / 4 + 12))}
+    local log=$W/logs/f-$1/treatment.log room=${SPORADIC_ROOM:-$((conv * 9 / 4 + 12))}
     while (($(left) > room)) && healthy "$t"; do
         seed=$(cat "$W/seed-$name" 2>/dev/null || echo "$seed0")
         echo $((seed + 1)) >"$W/seed-$name"
