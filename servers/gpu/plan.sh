@@ -271,7 +271,8 @@ v3() {
 V4_SPECS="eagle-a:eagle-overrun:block:8140:${SPORADIC:-0.2}:0 eagle-b:eagle-overrun:block:8170:${SPORADIC:-0.2}:100
 stale-a:stale-checkpoint:restore:8150:${SPORADIC:-0.2}:0 stale-b:stale-checkpoint:restore:8180:${SPORADIC:-0.2}:100"
 # Fifth sitting: the adaptive exceedance threshold (evidence.RANKS) on both faults in both shapes at 0.2; set
-# V5_SPECS in the environment to run other triples the same way (e.g. fraction 0.1).
+# V5_SPECS in the environment to run other triples the same way (e.g. fraction 0.1; FAULT "-" for a clean
+# triple, named clean-*, whose treatment runs no fault).
 V5_SPECS=${V5_SPECS:-"eagle-a:eagle-overrun:block:8140:0.2:200 stale-a:stale-checkpoint:restore:8150:0.2:200
 eagle-r:eagle-overrun:restore:8170:0.2:200 stale-k:stale-checkpoint:block:8180:0.2:200"}
 
@@ -279,8 +280,12 @@ start_v4() { # SPECS
     local name fault shape port frac seed0 conv
     for spec in $1; do
         IFS=: read -r name fault shape port frac seed0 conv <<<"$spec"
-        BLACKBOX_FAULT_SPORADIC=$frac BLACKBOX_FAULT_SHAPE=$shape \
-            $D serve "f-$name" treatment "$port" --fault "$fault" -- "${KV[@]}" "${PW[@]}"
+        if [ "$fault" = - ]; then # a clean triple (FAULT "-"): the treatment without the plugin's fault
+            $D serve "f-$name" treatment "$port" -- "${KV[@]}" "${PW[@]}"
+        else
+            BLACKBOX_FAULT_SPORADIC=$frac BLACKBOX_FAULT_SHAPE=$shape \
+                $D serve "f-$name" treatment "$port" --fault "$fault" -- "${KV[@]}" "${PW[@]}"
+        fi
         $D serve "c-$name" control $((port + 1)) -- "${KV[@]}" "${PW[@]}"
         $D serve "r-$name" reference $((port + 2)) -- "${KV[@]}" "${PW[@]}"
     done
@@ -297,9 +302,10 @@ series4() { # NAME CASE FAULT PORT SEED0 [CONV]: seeds one after another while a
         before=$(digest counts "$log" "$fault")
         CONV=$conv bb_triple "$name-s$seed" "$t" $((t + 1)) $((t + 2)) "$seed"
         after=$(digest counts "$log" "$fault")
+        local judged=(--case "$case" --seed "$seed")
+        [ "$fault" != - ] && judged+=(--fault "$fault" --before "$before" --after "$after")
         [ -e "$W/runs/$name-s$seed" ] &&
-            digest record "$W/runs/$name-s$seed" --case "$case" --seed "$seed" --fault "$fault" \
-                --before "$before" --after "$after" >"$W/logs/digest-$name-s$seed.out" 2>&1 &
+            digest record "$W/runs/$name-s$seed" "${judged[@]}" >"$W/logs/digest-$name-s$seed.out" 2>&1 &
     done
     wait
 }
@@ -314,7 +320,9 @@ v4() { # SPECS
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv
     for spec in $1; do
         IFS=: read -r name fault shape port frac seed0 conv <<<"$spec"
-        series4 "$name" "$fault $frac $shape" "$fault" "$port" "$seed0" "$conv" &
+        local case="$fault $frac $shape"
+        [ "$fault" = - ] && case=clean
+        series4 "$name" "$case" "$fault" "$port" "$seed0" "$conv" &
     done
     wait
     cat "$W"/logs/digest-*.out 2>/dev/null | grep '^{' | sort | uniq
@@ -331,7 +339,7 @@ send() {
         d=${d%/}
         [ -e "$W/sent/${d##*/}" ] || ! compgen -G "$d/*/verdict.json" >/dev/null && continue
         # A run of the fourth sitting travels once the device has judged it.
-        [[ ${d##*/} == eagle-* || ${d##*/} == stale-* ]] && [ ! -e "$d/record.json" ] && continue
+        [[ ${d##*/} == eagle-* || ${d##*/} == stale-* || ${d##*/} == clean-* ]] && [ ! -e "$d/record.json" ] && continue
         ((${#names[@]} >= ${SEND_MAX:-16})) && break
         names+=("${d##*/}")
         if [ -e "$d/record.json" ]; then recorded+=("${d##*/}"); else whole+=("${d##*/}"); fi
