@@ -367,7 +367,9 @@ def case_row(case: Case, records: Sequence[Mapping[str, Any]], reference_ratio: 
     extended = [r for r in records if r not in runs]
     unit = "conv" if case.probe == "multiturn" else "rounds"
     lengths = sorted({r["length"] for r in runs})
-    length = ", ".join(f"{n} ({sum(r['length'] == n for r in runs)} seeds)" for n in lengths) if extended else ""
+    per_length = extended or len(lengths) > 1
+    seeds = {n: sum(r["length"] == n for r in runs) for n in lengths}
+    length = ", ".join(f"{n} ({k} seed{'s' * (k != 1)})" for n, k in seeds.items()) if per_length else ""
     length = length or ", ".join(map(str, lengths))
     fired = sum(r["fired"] for r in runs)
     candidates = fired + sum(r["skipped"] for r in runs)

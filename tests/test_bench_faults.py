@@ -97,6 +97,15 @@ def test_a_seed_counts_once_by_its_longest_run_and_a_redo_replaces_it(tmp_path: 
     assert "False alarms over every clean run: -" in text  # no clean run recorded: no figure
 
 
+def test_seeds_run_at_different_lengths_are_counted_per_length() -> None:
+    clean = {"case": "clean", "fired": 0, "skipped": 0, "reference_ratio": 2}
+    runs = [_run(s, 32, "PASS", None, **clean) for s in range(3)] + [_run(9, 64, "PASS", None, **clean)]
+    row = next(line for line in bench.table(runs).splitlines() if line.startswith("| clean, reference 2x |"))
+    assert [c.strip() for c in row.split("|")[1:-1]][9] == "32 (3 seeds), 64 (1 seed) conv"
+    one = next(line for line in bench.table(runs[:3]).splitlines() if line.startswith("| clean, reference 2x |"))
+    assert [c.strip() for c in one.split("|")[1:-1]][9] == "32 conv"
+
+
 def test_runs_at_another_reference_ratio_are_rows_of_their_own_and_the_default_has_its_own_false_alarm_figure(
     tmp_path: Path,
 ) -> None:
