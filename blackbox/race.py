@@ -33,7 +33,7 @@ from blackbox import errors
 from blackbox.client import Endpoint
 from blackbox.compare import deviation
 from blackbox.evidence import Sample, judge_samples
-from blackbox.history import Arm, Exchange, History
+from blackbox.history import Arm, Exchange, History, TokenLogprob
 from blackbox.metrics import MetricsDelta
 from blackbox.verdict import Finding
 from blackbox.vocabulary import FILLER, NAMES
@@ -172,7 +172,12 @@ def _samples(
 ) -> tuple[list[Sample], list[Sample]]:
     """Cold racers against recomputation, and follow-ups that hit against theirs. Racers decode much longer than
     follow-ups, and a longer answer has more positions to deviate at, so a racer is compared over as many tokens
-    as the round's longest follow-up answer: like against like. Both over `tokens` positions at most."""
+    as the round's longest follow-up answer: like against like. Both over `tokens` positions at most.
+
+    A round's racers send one prompt and are compared with one recomputation, so racers that answered alike (bit
+    for bit over the compared positions) are one draw of the noise, not several: each distinct answer counts once
+    a round. Counted as copies they would shrink every test's p-value as if the yardstick were larger than it is
+    (a false alarm wherever a schedule chunks every racer of a round alike)."""
     cold: list[Sample] = []
     hit: list[Sample] = []
     for r in rounds:
@@ -187,10 +192,15 @@ def _samples(
         if tokens is not None:
             length = min(length or tokens, tokens)
         fresh = history.get(r.index, Arm.TREATMENT, "race-fresh")
+        drawn: set[tuple[TokenLogprob, ...]] = set()
         for j in range(r.racers):
             e = history.get(r.index, Arm.TREATMENT, f"race-{j}")
             sample = _compare(e, fresh, hard_margin, length)
-            if sample is not None and e is not None and not e.cached_tokens:
+            if sample is None or e is None or e.cached_tokens:
+                continue
+            answer = tuple(e.tokens[:length])
+            if answer not in drawn:
+                drawn.add(answer)
                 cold.append(sample)
         for e, e_fresh in follows:
             sample = _compare(e, e_fresh, hard_margin, tokens)

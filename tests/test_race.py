@@ -51,6 +51,11 @@ NEAR = tuple(0.01 + 0.05 * i / 8 for i in range(9))  # 0.01 .. 0.06
 # A treatment whose cache hits but which has no drafter: the multiturn drafter gate would fail on it.
 NO_DRAFTER = h.live_delta(DRAFTS=None, DRAFT_TOKENS=None, ACCEPTED=None, ACCEPTED_PER_POS=None)
 
+# Racers that answer alike are one draw of the noise (`race._samples`), so a round of identical exact racers
+# calibrates once: exact-mode histories need rounds, not racers. With one follow-up differing in each of N
+# rounds (N of 2N against 0 of N) the count test reaches C(2N, N) / C(3N, N) < alpha/3 from N = 12.
+EXACT_ROUNDS = 12
+
 Answer = float | Sequence[TokenLogprob]
 
 
@@ -391,21 +396,22 @@ def test_answers_of_different_lengths_deviate_infinitely(other: tuple[TokenLogpr
 
 
 def test_everything_identical_to_recomputation_passes_in_exact_mode() -> None:
-    finding = divergence(healthy_race(3))
+    finding = divergence(healthy_race(8))
     assert finding.status is Status.PASS, finding.reason
     assert finding.check == "race-divergence"
     assert (finding.figures["mode"], finding.figures["counted"]) == ("exact", "differs")
-    assert finding.figures["n_yardstick"] == finding.figures["yardstick_identical"] == 3 * RACERS
-    assert finding.figures["n_subject"] == finding.figures["subject_identical"] == 3 * FOLLOWUPS
+    # one draw a round: the RACERS identical racers of a round are one answer
+    assert finding.figures["n_yardstick"] == finding.figures["yardstick_identical"] == 8
+    assert finding.figures["n_subject"] == finding.figures["subject_identical"] == 8 * FOLLOWUPS
     assert finding.figures["mismatches"] == []
-    zero = {"n": 6, "hard": 0, "median": 0.0, "p95": 0.0, "max_finite": 0.0}
+    zero = {"n": 16, "hard": 0, "median": 0.0, "p95": 0.0, "max_finite": 0.0}
     assert finding.figures["subject_deviation"] == zero
     # a PASS states what it could have seen: any difference, in a fraction of follow-ups, at power 0.95
     assert "any difference from recomputation in >= " in finding.reason
     assert "would have been detected with probability 0.95" in finding.reason
     assert 0 < finding.figures["detectable_fraction"] <= 1
     # graded (stage "grader", covering the race's trigger), it alone makes the run PASS
-    assert merge(graders.grade(healthy_race(3), GRADING, probes=("cold-race",)).findings).exit_code == 0
+    assert merge(graders.grade(healthy_race(8), GRADING, probes=("cold-race",)).findings).exit_code == 0
 
 
 @pytest.mark.parametrize(
@@ -419,82 +425,84 @@ def test_everything_identical_to_recomputation_passes_in_exact_mode() -> None:
     ids=["chosen-logprob", "top-logprob", "token", "length"],
 )
 def test_followups_differing_while_cold_racers_are_exact_are_corruption(toks: tuple[TokenLogprob, ...]) -> None:
-    # One differing follow-up is no longer enough on its own (see the next test): follow-1 differs in each of 6
-    # rounds, 6 of 12 follow-ups against 0 of 24 exact racers, Fisher p = C(12,6)/C(36,6) < alpha/3.
-    finding = divergence(repeated(6, toks={"follow-1": toks}))
+    # One differing follow-up is no longer enough on its own (see the next test): follow-1 differs in each of 12
+    # rounds, 12 of 24 follow-ups against 0 of 12 exact racer draws, Fisher p = C(24,12)/C(36,12) < alpha/3.
+    n = EXACT_ROUNDS
+    finding = divergence(repeated(n, toks={"follow-1": toks}))
     assert_corruption(finding)
     assert (finding.figures["mode"], finding.figures["counted"]) == ("exact", "differs")
-    assert listed(finding) == [(R0 + i, "follow-1") for i in range(6)]
-    assert (finding.figures["subject_count"], finding.figures["yardstick_count"]) == (6, 0)
-    assert finding.figures["subject_identical"] == 6
-    assert finding.figures["p_values"]["count"] == pytest.approx(math.comb(12, 6) / math.comb(36, 6))
-    assert "6/12 differ from recomputation vs 0/24" in finding.reason
+    assert listed(finding) == [(R0 + i, "follow-1") for i in range(n)]
+    assert (finding.figures["subject_count"], finding.figures["yardstick_count"]) == (n, 0)
+    assert finding.figures["subject_identical"] == n
+    assert finding.figures["p_values"]["count"] == pytest.approx(math.comb(2 * n, n) / math.comb(3 * n, n))
+    assert f"{n}/{2 * n} differ from recomputation vs 0/{n}" in finding.reason
 
 
 def test_one_differing_followup_among_exact_racers_is_not_enough() -> None:
     # The old rule failed on any single difference against exact racers. Now the count test must be significant:
-    # 1 of 6 follow-ups against 0 of 12 racers is Fisher p = 6/18, so the run passes, the follow-up still listed.
+    # 1 of 16 follow-ups against 0 of 8 racer draws is Fisher p = 16/24, so the run passes, the follow-up still
+    # listed.
     history = with_rounds(
-        healthy_race(3),
-        round_exchanges(R0),
-        round_exchanges(R0 + 1, toks={"follow-1": FLIPPED}),
-        round_exchanges(R0 + 2),
+        healthy_race(8),
+        *(round_exchanges(R0 + i, toks={"follow-1": FLIPPED} if i == 1 else None) for i in range(8)),
     )
     finding = divergence(history)
     assert finding.status is Status.PASS, finding.reason
-    assert finding.figures["p_values"]["count"] == pytest.approx(6 / 18)
+    assert finding.figures["p_values"]["count"] == pytest.approx(16 / 24)
     assert listed(finding) == [(R0 + 1, "follow-1")]
-    # the same follow-up differing in every round is corruption
-    assert_corruption(divergence(repeated(3, toks={f"follow-{f}": FLIPPED for f in range(FOLLOWUPS)})))
+    # the same follow-ups differing in every round is corruption
+    assert_corruption(divergence(repeated(8, toks={f"follow-{f}": FLIPPED for f in range(FOLLOWUPS)})))
 
 
 def test_a_logprob_differing_without_alternatives_listed_is_corruption() -> None:
     bare = tuple(TokenLogprob(t.token, t.logprob) for t in ANSWER)  # top_logprobs not returned
     other = (bare[0], TokenLogprob("bravo", -0.2000001), bare[2])
     toks = {kind: bare for kind in kinds()} | {"follow-0": other}
-    finding = divergence(repeated(6, toks=toks))
+    finding = divergence(repeated(EXACT_ROUNDS, toks=toks))
     assert_corruption(finding)
-    assert listed(finding) == [(R0 + i, "follow-0") for i in range(6)]
+    assert listed(finding) == [(R0 + i, "follow-0") for i in range(EXACT_ROUNDS)]
 
 
 def test_a_followup_is_judged_against_its_own_recomputation() -> None:
     # follow-0 and its recomputation agree, and both differ from race-fresh: no finding.
-    agree = divergence(repeated(6, toks={"follow-0": FLIPPED, "follow-0-fresh": FLIPPED}))
+    agree = divergence(repeated(EXACT_ROUNDS, toks={"follow-0": FLIPPED, "follow-0-fresh": FLIPPED}))
     assert agree.status is Status.PASS, agree.reason
     # follow-0 agrees with race-fresh but not with its own recomputation: corruption.
-    finding = divergence(repeated(6, toks={"follow-0-fresh": FLIPPED}))
+    finding = divergence(repeated(EXACT_ROUNDS, toks={"follow-0-fresh": FLIPPED}))
     assert_corruption(finding)
-    assert listed(finding) == [(R0 + i, "follow-0") for i in range(6)]
+    assert listed(finding) == [(R0 + i, "follow-0") for i in range(EXACT_ROUNDS)]
 
 
 def test_one_inexact_cold_racer_switches_to_noise_mode() -> None:
     follow = {"follow-0": shifted(1e-7)}
-    assert_corruption(divergence(repeated(6, toks=follow)))
+    n = EXACT_ROUNDS
+    assert_corruption(divergence(repeated(n, toks=follow)))
     # One racer off by 0.06 is enough to leave exact mode: confident flips are counted, not differences.
     one = with_rounds(
-        repeated(6),
+        repeated(n),
         round_exchanges(R0, toks=follow | {"race-2": shifted(0.06)}),
-        *(round_exchanges(R0 + i, toks=follow) for i in range(1, 6)),
+        *(round_exchanges(R0 + i, toks=follow) for i in range(1, n)),
     )
     switched = divergence(one)
     assert (switched.figures["mode"], switched.figures["counted"]) == ("noise", "hard")
-    assert switched.figures["yardstick_identical"] == 6 * RACERS - 1
+    # round R0's racers are two draws (three alike, and race-2), every other round's one
+    assert (switched.figures["n_yardstick"], switched.figures["yardstick_identical"]) == (n + 1, n)
     assert switched.figures["yardstick_deviation"]["max_finite"] == pytest.approx(0.06)
     # Noise mode still compares whole distributions (a rank test): follow-ups at 1e-7 against racers at 0 bar one
     # shift upwards. With a racer off by 0.06 in every round, 1e-7 is inside the racers' noise and passes.
     finding = divergence(repeated(6, toks=follow | {"race-2": shifted(0.06)}))
     assert finding.status is Status.PASS, finding.reason
     assert finding.figures["mode"] == "noise"
-    assert finding.figures["yardstick_identical"] == 6 * (RACERS - 1)
+    assert (finding.figures["n_yardstick"], finding.figures["yardstick_identical"]) == (12, 6)
 
 
 def test_a_round_too_small_to_fail_is_insufficient_power() -> None:
-    # 2 follow-ups against 4 racers: the smallest attainable p is 1/C(6,2) = 1/15 > alpha/3. Even both follow-ups
-    # flipping cannot FAIL, so neither can passing mean anything: UNKNOWN, never PASS.
+    # 2 follow-ups against 4 identical racers, one draw: the smallest attainable p is 1/C(3,1) = 1/3 > alpha/3.
+    # Even both follow-ups flipping cannot FAIL, so neither can passing mean anything: UNKNOWN, never PASS.
     for toks in ({}, {"follow-0": FLIPPED, "follow-1": FLIPPED}):
         finding = divergence(repeated(1, toks=toks))
         assert_unknown(finding, errors.InsufficientPower)
-        assert (finding.figures["n_subject"], finding.figures["n_yardstick"]) == (FOLLOWUPS, RACERS)
+        assert (finding.figures["n_subject"], finding.figures["n_yardstick"]) == (FOLLOWUPS, 1)
         need = finding.figures["conversations_needed"]
         assert isinstance(need, int) and need > 1
         assert f"run about {need} race rounds" in finding.hint
@@ -566,6 +574,21 @@ FISHER_COLD = tuple(0.01 + 0.05 * (i % 8) / 7 for i in range(32))
 FISHER_HITS: tuple[Answer, ...] = (*(FLIPPED,) * 6, *(0.0,) * 10)
 
 
+def test_racers_that_answer_alike_are_one_draw_of_the_noise() -> None:
+    # 6 rounds of 8 racers at 0.01 .. 0.06 (one level a round) and 18 follow-ups, 6 of them just beyond every
+    # racer. Racers that each answered their own way are 48 draws: 6 of 18 beyond the largest of 48 is unlikely
+    # under exchangeability, a FAIL. Racers of a round that answered alike are the same computation seen eight
+    # times: 6 draws, and 6 of 18 beyond the largest of 6 is ordinary (p > 0.1), a PASS.
+    hits = (*(0.07,) * 6, *(0.005,) * 12)
+    own = divergence(deviating_race(tuple(0.01 * (r + 1) + 1e-6 * j for r in range(6) for j in range(8)), hits))
+    assert_corruption(own)
+    assert own.figures["n_yardstick"] == 48
+    alike = divergence(deviating_race(tuple(0.01 * (r + 1) for r in range(6) for _ in range(8)), hits))
+    assert alike.status is Status.PASS, alike.reason
+    assert alike.figures["n_yardstick"] == 6
+    assert alike.figures["p_values"]["deviations beyond the yardstick"] > 0.1
+
+
 def test_confident_flips_in_followups_only_are_corruption_through_the_count_test() -> None:
     finding = divergence(deviating_race(FISHER_COLD, FISHER_HITS, followups=4))
     assert_corruption(finding)
@@ -598,7 +621,9 @@ def test_near_tie_flips_in_followups_are_noise() -> None:
 
 
 def test_confident_flips_as_frequent_among_cold_racers_pass() -> None:
-    cold = (*(FLIPPED,) * 12, *FISHER_COLD[12:])
+    # twelve racers flipping, each its own answer (alike they would be one draw a round)
+    flips = tuple(h.tokens(-0.1, -0.2, -0.3 - 0.001 * i, words=["alpha", "bravo", "three"]) for i in range(12))
+    cold = (*flips, *FISHER_COLD[12:])
     finding = divergence(deviating_race(cold, FISHER_HITS, followups=4))
     assert finding.status is Status.PASS, finding.reason
     assert finding.figures["yardstick_deviation"]["hard"] == 12
@@ -636,12 +661,12 @@ def test_racers_that_hit_are_not_cold() -> None:
     # race-0 resumed from a block another racer wrote and moved by 0.5: were it calibration, follow-1's 0.3 would
     # sit inside the noise; it is not, so the other racers are exact and follow-1 is corruption.
     toks = {"race-0": shifted(0.5), "follow-1": shifted(0.3)}
-    finding = divergence(repeated(6, toks=toks, cached={"race-0": h.BLOCK}))
+    finding = divergence(repeated(EXACT_ROUNDS, toks=toks, cached={"race-0": h.BLOCK}))
     assert_corruption(finding)
     assert finding.figures["mode"] == "exact"
-    assert finding.figures["n_yardstick"] == 6 * (RACERS - 1)
-    assert listed(finding) == [(R0 + i, "follow-1") for i in range(6)]
-    assert [m["deviation"] for m in finding.figures["mismatches"]] == pytest.approx([0.3] * 6)
+    assert finding.figures["n_yardstick"] == EXACT_ROUNDS  # the other racers, alike: one draw a round
+    assert listed(finding) == [(R0 + i, "follow-1") for i in range(EXACT_ROUNDS)]
+    assert [m["deviation"] for m in finding.figures["mismatches"]] == pytest.approx([0.3] * EXACT_ROUNDS)
 
 
 @pytest.mark.parametrize("how", ["no-logprobs", "failed", "missing"])
@@ -662,11 +687,14 @@ def test_racers_without_a_comparable_pair_are_not_calibration(how: str) -> None:
     # race-1 would put the race in noise mode (and so let follow-0's 1e-7 pass) if it were compared.
     toks = {"race-1": shifted(0.5) if how != "no-logprobs" else (), "follow-0": shifted(1e-7)}
     history = repeated(
-        6, toks=toks, failed=("race-1",) if how == "failed" else (), drop=("race-1",) if how == "missing" else ()
+        EXACT_ROUNDS,
+        toks=toks,
+        failed=("race-1",) if how == "failed" else (),
+        drop=("race-1",) if how == "missing" else (),
     )
     finding = divergence(history)
     assert_corruption(finding)
-    assert finding.figures["n_yardstick"] == 6 * (RACERS - 1)
+    assert finding.figures["n_yardstick"] == EXACT_ROUNDS
 
 
 @pytest.mark.parametrize("how", ["no-logprobs", "failed", "missing"])
@@ -679,11 +707,12 @@ def test_a_round_without_its_recomputation_calibrates_nothing(how: str) -> None:
         failed=("race-fresh",) if how == "failed" else (),
         drop=("race-fresh",) if how == "missing" else (),
     )
-    rest = (round_exchanges(R0 + i, toks=follow) for i in range(1, 6))
-    finding = divergence(with_rounds(repeated(6), first, *rest))
+    n = EXACT_ROUNDS + 1
+    rest = (round_exchanges(R0 + i, toks=follow) for i in range(1, n))
+    finding = divergence(with_rounds(repeated(n), first, *rest))
     assert_corruption(finding)  # round R0's racers are not compared, so the other rounds' exact racers set the mode
-    assert finding.figures["n_yardstick"] == 5 * RACERS
-    assert finding.figures["n_subject"] == 6 * FOLLOWUPS
+    assert finding.figures["n_yardstick"] == n - 1
+    assert finding.figures["n_subject"] == n * FOLLOWUPS
 
 
 def test_no_rounds_is_no_evidence() -> None:
@@ -695,7 +724,7 @@ def test_no_rounds_is_no_evidence() -> None:
 def test_no_followup_hits_is_no_evidence() -> None:
     finding = divergence(repeated(2, toks={"follow-1": FLIPPED}, cached=uncached_followups()))
     assert_unknown(finding, errors.NoEvidence)
-    assert f"0 follow-ups resumed from race-written blocks, {2 * RACERS} cold racers" in finding.reason
+    assert "0 follow-ups resumed from race-written blocks, 2 cold racers" in finding.reason  # one answer a round
 
 
 def test_no_cold_racers_is_no_evidence() -> None:
@@ -924,9 +953,10 @@ def checks(found: Sequence[Finding]) -> dict[str, Finding]:
     return {f.check: f for f in found}
 
 
-def combined(conversations: int = 10, rounds: int = 3) -> History:
+def combined(conversations: int = 10, rounds: int = 6) -> History:
     """A healthy multiturn run and a healthy cold race on one treatment, each large enough for its grader to have
-    power with four graders sharing alpha (recall: 10 rows, 2^-10 < 0.01/4; race: 6 follow-ups against 12 racers)."""
+    power with four graders sharing alpha (recall: 10 rows, 2^-10 < 0.01/4; race: 12 follow-ups against 6 racer
+    draws, 1/C(18, 6) < 0.01/12)."""
     base, raced = h.healthy(conversations), healthy_race(rounds)
     return dataclasses.replace(
         base, exchanges=(*base.exchanges, *raced.exchanges), races=raced.races, race_window=raced.race_window
@@ -934,7 +964,7 @@ def combined(conversations: int = 10, rounds: int = 3) -> History:
 
 
 def test_the_cold_race_probe_runs_the_race_gates_and_not_the_multiturn_ones() -> None:
-    history = healthy_race(3)
+    history = healthy_race(6)
     found = gates.all_gates(history, GRADING, probes=("cold-race",))
     assert [f.check for f in found] == RACE_GATES
     assert all(f.status is Status.PASS for f in found), {f.check: f.reason for f in found}
@@ -1002,7 +1032,7 @@ def test_the_cold_race_probe_grades_with_race_divergence_only(grading: Grading) 
 
 
 def test_the_cold_race_probe_reports_race_corruption() -> None:
-    history = repeated(3, toks={f"follow-{f}": shifted(0.01) for f in range(FOLLOWUPS)})
+    history = repeated(6, toks={f"follow-{f}": shifted(0.01) for f in range(FOLLOWUPS)})
     grades = graders.grade(history, GRADING, probes=("cold-race",))
     [finding] = grades.findings
     assert (finding.error_class, finding.stage, finding.covers_trigger) == ("CorruptionDetected", "grader", True)
