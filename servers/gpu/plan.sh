@@ -299,6 +299,7 @@ series4() { # NAME CASE FAULT PORT SEED0 [CONV]: seeds one after another while a
     while (($(left) > room)) && healthy "$t"; do
         seed=$(cat "$W/seed-$name" 2>/dev/null || echo "$seed0")
         echo $((seed + 1)) >"$W/seed-$name"
+        : >"$W/logs/digest-$name-s$seed.out" # marks the run as one `send` holds back until its record.json
         before=$(digest counts "$log" "$fault")
         CONV=$conv bb_triple "$name-s$seed" "$t" $((t + 1)) $((t + 2)) "$seed"
         after=$(digest counts "$log" "$fault")
@@ -338,8 +339,8 @@ send() {
     for d in "$W"/runs/*/; do
         d=${d%/}
         [ -e "$W/sent/${d##*/}" ] || ! compgen -G "$d/*/verdict.json" >/dev/null && continue
-        # A run of the fourth sitting travels once the device has judged it.
-        [[ ${d##*/} == eagle-* || ${d##*/} == stale-* || ${d##*/} == clean-* ]] && [ ! -e "$d/record.json" ] && continue
+        # A run of a series (start-v4/v5, any name) travels once the device has judged it: its digest was asked.
+        [ -e "$W/logs/digest-${d##*/}.out" ] && [ ! -e "$d/record.json" ] && continue
         ((${#names[@]} >= ${SEND_MAX:-16})) && break
         names+=("${d##*/}")
         if [ -e "$d/record.json" ]; then recorded+=("${d##*/}"); else whole+=("${d##*/}"); fi
