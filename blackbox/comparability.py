@@ -15,7 +15,9 @@ meaningless, so these are checked in seconds, before any conversation, and a fai
 - the reference keeps the treatment's cache settings where both publish them (`vllm:cache_config_info`): its hits
   are the yardstick for the treatment's, so a reference that stores the recurrent state in another dtype (or
   caches in another mode) deviates from recomputation by another amount, and a correct treatment would read as
-  corrupt against it.
+  corrupt against it;
+- the reference computes like the treatment in every setting that changes a correct engine's numerics (step
+  budget, batch size, backends, dtypes, parallelism, release: `yardstick`), a `ConfigMismatch` otherwise.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from blackbox import errors, geometry, metrics
+from blackbox import errors, geometry, metrics, yardstick
 from blackbox.client import Endpoint
 from blackbox.compare import deviation
 from blackbox.history import Arm, Exchange
 from blackbox.metrics import MetricsSnapshot
+from blackbox.server_info import ServerInfo
 from blackbox.verdict import Finding
 
 __all__ = ["ArmFacts", "check", "gather"]
@@ -86,9 +89,15 @@ async def gather(
     )
 
 
-def check(facts: Mapping[str, ArmFacts], hard_margin: float) -> list[Finding]:
-    """One finding per concern: `comparability` (one model everywhere) and `roles` (each server as its role)."""
-    return [_comparable(facts, hard_margin), _roles(facts)]
+def check(
+    facts: Mapping[str, ArmFacts], hard_margin: float, infos: Mapping[str, ServerInfo] | None = None
+) -> list[Finding]:
+    """One finding per concern: `comparability` (one model everywhere), `roles` (each server as its role) and,
+    given what the servers say of themselves, `yardstick` (the reference computes like the treatment)."""
+    found = [_comparable(facts, hard_margin), _roles(facts)]
+    if infos is not None:
+        found.append(yardstick.check(infos))
+    return found
 
 
 def _comparable(facts: Mapping[str, ArmFacts], hard_margin: float) -> Finding:

@@ -9,13 +9,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from blackbox import comparability, errors, gates, geometry, guard, metrics, race
+from blackbox import comparability, errors, gates, geometry, guard, metrics, race, yardstick
 from blackbox.client import Endpoint, gather_bounded
 from blackbox.config import RunConfig
 from blackbox.graders import Grades, grade
 from blackbox.history import Arm, Exchange, History, Kind, Plan
 from blackbox.metrics import MetricsDelta, MetricsSnapshot
-from blackbox.store import RunStore, load_history, load_preflight
+from blackbox.store import RunStore, load_history, load_preflight, load_servers
 from blackbox.verdict import Finding, Status, Verdict, merge
 from blackbox.workload import plan_conversation, turn1_body, turn2_body, turn2_messages
 
@@ -119,8 +119,17 @@ def rejudge(run_dir: Path) -> Rejudged:
     """A stored run judged again by this code, with the settings and the stored pre-run findings it ran with."""
     data, history = load_history(run_dir)
     config = RunConfig.from_json(data)
-    verdict, grades = judge(history, config, load_preflight(run_dir))
+    verdict, grades = judge(history, config, _with_yardstick(load_preflight(run_dir), run_dir))
     return Rejudged(verdict, grades, history, config)
+
+
+def _with_yardstick(preflight: list[Finding], run_dir: Path) -> list[Finding]:
+    """The `yardstick` gate decided again from the stored servers.json, so a run from before the gate (or judged
+    by an older list of settings) is judged by this code's list."""
+    infos = load_servers(run_dir)
+    if infos is None:
+        return preflight
+    return [*(f for f in preflight if f.check != "yardstick"), yardstick.check(infos)]
 
 
 def _quiet(done: int, total: int, note: str) -> None:
@@ -141,7 +150,7 @@ async def _drive(
     store.write_json("servers.json", {arm: info.to_json() for arm, info in infos.items()})
     salt = f"blackbox-{store.path.name}"
     facts = {arm: await comparability.gather(e, before[arm], salt, store.record) for arm, e in endpoints.items()}
-    preflight = comparability.check(facts, config.grading.hard_margin)
+    preflight = comparability.check(facts, config.grading.hard_margin, infos)
     store.write_json("preflight.json", [f.to_json() for f in preflight])
     known = [f.max_model_len for f in facts.values() if f.max_model_len is not None]
     geo = geometry.discover(before[Arm.TREATMENT], min(known) if known else None, config.block_size)

@@ -171,20 +171,53 @@ async def _dev_settings(http: httpx.AsyncClient) -> dict[str, str]:
     for section, names in _DEV_FIELDS.items():
         values = config.get(section)
         if isinstance(values, dict):
-            out.update({n: str(values[n]) for n in names if n in values})
+            out.update({name: str(values[field]) for field, name in names.items() if field in values})
     spec = config.get("speculative_config")
     if isinstance(spec, dict):
         out.update({f"speculative_{k}": str(spec[k]) for k in ("method", "num_speculative_tokens") if k in spec})
     env = data.get("vllm_env")
-    if isinstance(env, dict) and _RETENTION_ENV in env:
-        out[_RETENTION_ENV] = str(env[_RETENTION_ENV])
+    if isinstance(env, dict):
+        out.update({name: str(env[name]) for name in _DEV_ENV if name in env})
     return out
 
 
-_DEV_FIELDS = {
-    "cache_config": ("enable_prefix_caching", "mamba_cache_mode", "prefix_cache_retention_interval", "block_size"),
-    "scheduler_config": ("max_num_batched_tokens", "max_num_seqs"),
-}
+def _fields(*names: str, prefix: str = "") -> dict[str, str]:
+    return {n: f"{prefix}{n}" for n in names}
+
+
+# /server_info section -> {field: setting name}. Cache and scheduler fields keep their own names (those of the
+# `vllm:cache_config_info` labels); fields whose names recur across sections take the section's as a prefix.
+_DEV_FIELDS: Mapping[str, Mapping[str, str]] = {
+    "cache_config": _fields(
+        "enable_prefix_caching", "mamba_cache_mode", "prefix_cache_retention_interval", "block_size",
+        "cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "mamba_block_size",
+        "enable_mamba_shared_prefix_checkpoint", "use_replayssm", "replayssm_buffer_len", "num_gpu_blocks",
+    ),
+    "scheduler_config": _fields(
+        "max_num_batched_tokens", "max_num_scheduled_tokens", "max_num_seqs", "enable_chunked_prefill",
+        "long_prefill_token_threshold", "max_num_partial_prefills", "max_long_partial_prefills", "policy",
+        "async_scheduling",
+    ),
+    "model_config": _fields("dtype", "quantization", "logprobs_mode", "enforce_eager", "disable_cascade_attn"),
+    "parallel_config": _fields(
+        "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel",
+        "prefill_context_parallel_size", "decode_context_parallel_size",
+    ),
+    "compilation_config": _fields("mode", "cudagraph_mode", "backend", prefix="compilation."),
+    "attention_config": _fields("backend", prefix="attention."),
+    "mamba_config": _fields("backend", prefix="mamba."),
+    "kernel_config": _fields("moe_backend", "linear_backend", prefix="kernel."),
+}  # fmt: skip
+_DEV_ENV = (
+    _RETENTION_ENV,
+    "VLLM_BATCH_INVARIANT",
+    "VLLM_ATTENTION_BACKEND",
+    "VLLM_FLOAT32_MATMUL_PRECISION",
+    "VLLM_GDN_DECODE_KERNEL",
+    "VLLM_SSM_CONV_STATE_LAYOUT",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_KVCACHE_SPACE",
+)
 
 
 def missing_trigger_flags(version: str | None, info: ServerInfo | None = None) -> list[str]:

@@ -34,9 +34,18 @@ from blackbox.secrets import Redactor, check_env_name
 
 if TYPE_CHECKING:
     from blackbox.history import History
+    from blackbox.server_info import ServerInfo
     from blackbox.verdict import Finding
 
-__all__ = ["RunStore", "curl_command", "load_history", "load_preflight", "new_run_id", "write_traceback"]
+__all__ = [
+    "RunStore",
+    "curl_command",
+    "load_history",
+    "load_preflight",
+    "load_servers",
+    "new_run_id",
+    "write_traceback",
+]
 
 
 def new_run_id(seed: int) -> str:
@@ -151,6 +160,22 @@ def curl_command(base_url: str, exchange: Exchange, api_key_env: str, key_file: 
         shlex.quote(body),
     ]
     return " ".join(parts)
+
+
+def load_servers(run_dir: Path) -> dict[str, ServerInfo] | None:
+    """What each server said of itself (servers.json), or None for a run folder without it."""
+    from blackbox.server_info import ServerInfo
+
+    path = run_dir / "servers.json"
+    if not path.exists():
+        return None
+    try:
+        return {arm: ServerInfo.from_json(info) for arm, info in json.loads(path.read_text()).items()}
+    except (ValueError, LookupError, TypeError, AttributeError) as exc:
+        raise UsageError(
+            f"{path} is malformed ({type(exc).__name__}: {str(exc)[:160]}); was the run cut short or the file edited?",
+            hint="re-run the command in command.txt to get a complete run folder",
+        ) from exc
 
 
 def load_preflight(run_dir: Path) -> list[Finding]:

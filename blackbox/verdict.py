@@ -10,13 +10,14 @@ A `Finding` is one gate's or one grader's judgement. The verdict rule (`merge`):
 4. PASS only when every gate passed, every grader used passed, and at least one of them judged the hits the
    trigger proved (blocks written during speculative decode, or by a fragmented race) with the power to fail.
    Anything else is UNKNOWN (`NoEvidence`).
+5. A PASS or FAIL names what a passed gate could only assume (its `caveat`: a setting neither server published).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from blackbox import errors
@@ -123,7 +124,7 @@ def merge(findings: Iterable[Finding]) -> Verdict:
         return _from(max(failed_gates, key=lambda f: f.status.rank), found)
     failed = [f for f in graders if f.status is not Status.PASS]
     if failed:
-        return _from(max(failed, key=lambda f: f.status.rank), found)
+        return _with_caveats(_from(max(failed, key=lambda f: f.status.rank), found), gates)
     covering = [f for f in graders if f.covers_trigger]
     if not covering:
         why = (
@@ -141,7 +142,17 @@ def merge(findings: Iterable[Finding]) -> Verdict:
             "a model that recalls needles for the recall grader",
         )
     statement = "; ".join(f"{f.check}: {f.reason}" for f in covering)
-    return Verdict(Status.PASS, f"every gate passed; {statement}", None, found, 0)
+    return _with_caveats(Verdict(Status.PASS, f"every gate passed; {statement}", None, found, 0), gates)
+
+
+def _with_caveats(verdict: Verdict, gates: Iterable[Finding]) -> Verdict:
+    """A PASS or FAIL repeats what its gates could only assume (figure `caveat`): it is part of its evidence."""
+    if verdict.status not in (Status.PASS, Status.FAIL):
+        return verdict
+    caveats = [str(f.figures["caveat"]) for f in gates if f.figures.get("caveat")]
+    if not caveats:
+        return verdict
+    return replace(verdict, reason=f"{verdict.reason} (caveat: {'; '.join(caveats)})")
 
 
 def _from(worst: Finding, found: tuple[Finding, ...]) -> Verdict:
