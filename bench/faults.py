@@ -22,7 +22,9 @@ chance of a `CorruptionDetected`.
 Groups for --cases: all, false-alarm (the clean default and its benign variants), faults (each fault firing on
 every candidate), sporadic (each fault at 0.2 and 0.1, both shapes), alone (the treatment alone, single-endpoint
 mode: the model trained to recall with the multiturn probe, clean and each multiturn fault; the cold race, clean
-and its fault). Names may be globs ('eagle-overrun*').
+and its fault), arm-mismatch (treatment or reference alone with a flag that changes numerics, to be refused as
+`ConfigMismatch`; each multiturn fault with both arms at a small step budget, to FAIL). Names may be globs
+('eagle-overrun*').
 """
 
 from __future__ import annotations
@@ -74,9 +76,14 @@ class Case:
     spec_tokens: int | None = None  # None: the profile's speculative config
     reference: bool = True
     alone: bool = False  # the treatment alone (single-endpoint mode: no control, no reference)
+    treatment_args: tuple[str, ...] = ()  # flags the treatment alone gets on top of the profile's
+    reference_args: tuple[str, ...] = ()  # flags the reference alone gets
+    arms_unlike: bool = False  # a case of the arm-mismatch group (issue 27)
 
     @property
     def group(self) -> str:
+        if self.arms_unlike or self.treatment_args or self.reference_args:
+            return "arm-mismatch"
         if self.alone:
             return "alone"
         if self.fault is None:
@@ -103,6 +110,7 @@ _FAULTS = (
     ("chunk-end-as-boundary", "cpu-tiny-fragmented", "cold-race"),
 )
 _SPORADIC = ((0.2, "block"), (0.2, "restore"), (0.1, "block"), (0.1, "restore"))
+_BUDGET = ("--max-num-batched-tokens", "96")
 
 CASES: tuple[Case, ...] = (
     Case("clean", "multiturn"),
@@ -127,8 +135,19 @@ CASES: tuple[Case, ...] = (
         for f, profile, probe in _FAULTS
         for fraction, shape in _SPORADIC
     ),
+    # Arms scheduled unlike each other (issue 27): a correct treatment must not read FAIL against a reference
+    # that computes otherwise; the run is refused (ConfigMismatch) before any conversation. With both arms at the
+    # small budget ("clean fragmented" for the clean engine) each fault must still FAIL.
+    Case("treatment budget 96", "multiturn", treatment_args=_BUDGET),
+    Case("reference budget 96", "multiturn", reference_args=_BUDGET),
+    Case("treatment max-num-seqs 4", "multiturn", treatment_args=("--max-num-seqs", "4")),
+    *(
+        Case(f"{f} both budget 96", probe, "cpu-tiny-fragmented", fault=f, arms_unlike=True)
+        for f, _, probe in _FAULTS
+        if probe == "multiturn"
+    ),
 )
-GROUPS = ("all", "false-alarm", "faults", "sporadic", "alone")
+GROUPS = ("all", "false-alarm", "faults", "sporadic", "alone", "arm-mismatch")
 
 
 def select(spec: str) -> list[Case]:
@@ -403,7 +422,9 @@ def table(runs: Sequence[Mapping[str, Any]]) -> str:
     keys = sorted(per_case, key=lambda k: ([c.name for c in CASES].index(k[0]), -k[1]))
     by_name = {c.name: c for c in CASES}
     rows = [case_row(by_name[name], per_case[(name, x)], x) for name, x in keys]
-    clean = [r for name, x in keys if by_name[name].fault is None for r in final_runs(per_case[(name, x)])]
+    # A refused run (arm-mismatch) sent no workload: it is neither a false alarm nor evidence against one.
+    graded = [k for k in keys if by_name[k[0]].fault is None and by_name[k[0]].group != "arm-mismatch"]
+    clean = [r for name, x in graded for r in final_runs(per_case[(name, x)])]
     now = [r for r in clean if ratio(r) == by_name[r["case"]].ratio(RunConfig.reference_ratio)]
 
     def alarms(records: Sequence[Mapping[str, Any]]) -> int:
@@ -451,6 +472,8 @@ def fleet_for(case: Case, args: argparse.Namespace, log_dir: Path) -> Fleet:
     )
     env = case.treatment_env()
     specs = [dataclasses.replace(s, env={**s.env, **env}) if s.role == "treatment" else s for s in specs]
+    own = {"treatment": case.treatment_args, "reference": case.reference_args}
+    specs = [dataclasses.replace(s, args=(*s.args, *own[s.role])) if own.get(s.role) else s for s in specs]
     return Fleet(specs, log_dir)
 
 

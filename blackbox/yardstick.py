@@ -37,7 +37,6 @@ _CACHED = "what a hit restores: its precision or which states are checkpointed"
 MUST_MATCH: Mapping[str, str] = {
     "version": "another vLLM release runs other kernels and schedules",
     "max_num_batched_tokens": _SCHEDULING,
-    "max_num_scheduled_tokens": _SCHEDULING,
     "enable_chunked_prefill": _SCHEDULING,
     "long_prefill_token_threshold": _SCHEDULING,
     "max_num_partial_prefills": _SCHEDULING,
@@ -85,6 +84,7 @@ MUST_MATCH: Mapping[str, str] = {
 MAY_DIFFER: Mapping[str, str] = {
     "speculative_*": "the role: the reference is the treatment without speculative decoding",
     "enable_prefix_caching": "the role (checked by the role check: the reference caches, the control does not)",
+    "max_num_scheduled_tokens": "derived: vLLM sets it from the step budget when speculative decoding runs",
     "num_gpu_blocks": "capacity: the drafter takes memory; it decides what is evicted, not how a hit computes",
     "num_cpu_blocks": "capacity",
     "gpu_memory_utilization": "capacity",
@@ -127,6 +127,10 @@ def threads(bind: str) -> str:
     return str(total)
 
 
+_ABSENT = "(absent)"
+_WHOLE_CONFIG = "/server_info"  # the source that publishes every section: a field it lacks, the release lacks
+
+
 def _published(info: ServerInfo) -> dict[str, str]:
     settings = {k: normalise(k, v) for k, v in info.settings.items()}
     if info.version is not None:
@@ -134,11 +138,14 @@ def _published(info: ServerInfo) -> dict[str, str]:
     bind = settings.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     if bind is not None:
         settings["cpu_threads"] = threads(bind)
+    if _WHOLE_CONFIG in info.sources:
+        settings |= {name: _ABSENT for name in MUST_MATCH if name not in settings and name != "version"}
     return settings
 
 
 def compare(treatment: ServerInfo, other: ServerInfo) -> tuple[list[Difference], list[str]]:
-    """Settings of `MUST_MATCH` that differ, and those that one of the two does not publish (assumed alike)."""
+    """Settings of `MUST_MATCH` that differ, and those that one of the two does not publish (assumed alike). A
+    server that published its whole config and lacks a setting runs a release without it: "(absent)"."""
     mine, theirs = _published(treatment), _published(other)
     differ = [
         Difference(name, mine[name], theirs[name], why)
@@ -188,12 +195,12 @@ def check(infos: Mapping[str, ServerInfo]) -> Finding:
         )
         figures["caveat"] = caveat
         notes.insert(0, caveat)
-    checked = len(MUST_MATCH) - len(unknown)
-    said = f"the reference computes like the treatment in the {checked} settings both published"
+    said = f"the reference computes like the treatment in the {len(MUST_MATCH) - len(unknown)} settings checked"
     return Finding.passed("yardstick", "; ".join([said, *notes]), **figures)
 
 
-_CONTROL_ROLE = {"mamba_cache_mode", "prefix_cache_retention_interval"}  # prefix caching off forces mode none
+# Prefix caching off forces mamba_cache_mode none, and with it the retention and the Mamba block size.
+_CONTROL_ROLE = {"mamba_cache_mode", "prefix_cache_retention_interval", "mamba_block_size"}
 
 
 _FLAGS = {

@@ -3,6 +3,8 @@ and the same probe on a clean treatment must pass."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ SEEDS = (21, 22)
 # the rate: the default 32, whose reference now runs 64 (--reference-ratio 2), needs fewer hits beyond it (6, not 9).
 MULTITURN_CONVERSATIONS = 32
 TREATMENT_PORT = BASE_PORT + 5  # the session's servers use BASE_PORT..BASE_PORT+2
+PAIR_PORT = BASE_PORT + 15  # the module's fragmented pair (+15, +17), up beside the fault tests' treatment
 
 
 def _blackbox(
@@ -54,8 +57,10 @@ def _blackbox(
     return code, verdict, output
 
 
-def _treatment(profile: str, fault: str | None, log_dir: Path, roles: tuple[str, ...] = ("treatment",)) -> Fleet:
-    specs = build_specs(profile, roles, base_port=TREATMENT_PORT, cache_dir=CACHE, fault=fault)
+def _treatment(
+    profile: str, fault: str | None, log_dir: Path, roles: tuple[str, ...] = ("treatment",), port: int = TREATMENT_PORT
+) -> Fleet:
+    specs = build_specs(profile, roles, base_port=port, cache_dir=CACHE, fault=fault)
     return Fleet(specs, log_dir)
 
 
@@ -100,17 +105,54 @@ def test_cold_race_passes_on_a_clean_fragmented_treatment(cpu_fleet: Fleet, tmp_
     assert "would have been detected with probability 0.95" in checks["race-divergence"]["reason"]
 
 
-def test_multiturn_on_a_clean_fragmented_pair_is_no_false_alarm(cpu_fleet: Fleet, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def fragmented_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """A correct treatment and its reference, both with a step budget smaller than a block (chunked prefill)."""
+    log_dir = tmp_path_factory.mktemp("fragmented-servers")
+    with _treatment("cpu-tiny-fragmented", None, log_dir, ("treatment", "reference"), PAIR_PORT) as fleet:
+        fleet.start()
+        yield fleet
+
+
+@pytest.mark.parametrize("budget_on", ["treatment", "reference"])
+def test_arms_scheduled_unlike_each_other_are_refused_before_any_conversation(
+    budget_on: str, fragmented_pair: Fleet, cpu_fleet: Fleet, tmp_path: Path
+) -> None:
+    """Issue 27: a correct treatment with a small step budget read FAIL against a reference without one. The
+    servers say what they run (/server_info), so the run is refused, naming the setting and both values."""
+    treatment, reference = (
+        (fragmented_pair.urls["treatment"], cpu_fleet.urls["reference"])
+        if budget_on == "treatment"
+        else (cpu_fleet.urls["treatment"], fragmented_pair.urls["reference"])
+    )
+    code, verdict, output = _blackbox(treatment, cpu_fleet, "multiturn", tmp_path / "runs", 0, reference=reference)
+    assert (code, verdict["status"], verdict["error_class"]) == (3, "ERROR", "ConfigMismatch"), output
+    small, default = ("96", "2048") if budget_on == "treatment" else ("2048", "96")
+    assert f"max_num_batched_tokens: treatment {small}, reference {default}" in verdict["reason"], output
+    assert f"--max-num-batched-tokens {small}" in verdict["hint"], output
+    run = next(p for p in (tmp_path / "runs").iterdir() if (p / "verdict.json").exists())
+    kinds = {json.loads(line)["kind"] for line in (run / "exchanges.jsonl").read_text().splitlines()}
+    assert kinds == {"comparability"}, kinds  # nothing of the workload was sent
+    assert (run / "servers.json").exists() and (run / "preflight.json").exists()
+
+
+def test_multiturn_on_a_clean_fragmented_pair_is_no_false_alarm(
+    fragmented_pair: Fleet, cpu_fleet: Fleet, tmp_path: Path
+) -> None:
     # A prefill chunked mid-block is not bit-exact against recomputation on this engine: the review saw
     # "FAIL exactness: 25 of 25 prefill-region hits differ" here when exactness was assumed. The reference shares
     # the treatment's step budget (it is the treatment's flags without speculative decoding), so the noise is
     # measured, and a correct engine must PASS.
-    with _treatment("cpu-tiny-fragmented", None, tmp_path / "servers", ("treatment", "reference")) as fleet:
-        fleet.start()
-        code, verdict, output = _blackbox(
-            fleet.urls["treatment"], cpu_fleet, "multiturn", tmp_path / "runs", 23, reference=fleet.urls["reference"]
-        )
+    code, verdict, output = _blackbox(
+        fragmented_pair.urls["treatment"],
+        cpu_fleet,
+        "multiturn",
+        tmp_path / "runs",
+        23,
+        reference=fragmented_pair.urls["reference"],
+    )
     checks = {f["check"]: f for f in verdict["findings"]}
     assert verdict["error_class"] != "CorruptionDetected", output
     assert code == 0 and verdict["status"] == "PASS", output
     assert checks["exactness"]["figures"]["counted"] == "hard", output  # the reference was measured inexact
+    assert checks["yardstick"]["status"] == "PASS" and "caveat" not in checks["yardstick"]["figures"], output

