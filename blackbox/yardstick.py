@@ -11,6 +11,9 @@ compared before any traffic, and a difference refuses the run (`ConfigMismatch`,
 or capacity) and why. A setting that either server does not publish (no `/server_info` without
 `VLLM_SERVER_DEV_MODE=1`) cannot be checked: it is named in the verdict as assumed alike, never passed silently.
 
+Not inferred from traffic: `vllm:iteration_tokens_total` does not bound the step budget (a treatment at
+`--max-num-batched-tokens 96` counted steps of up to 1024 tokens), so an unpublished budget stays unknown.
+
 The control is never a grader's only yardstick (recall counts a flip only where the treatment's own no-reuse
 answer, on the same server, agrees with the control's), so its differences are reported, not refused.
 """
@@ -234,3 +237,4 @@ def _flag(d: Difference) -> str:
     if d.treatment in ("True", "False") and flag in _SWITCHES:
         return flag if d.treatment == "True" else f"--no-{flag[2:]}"
     return f"{flag} {d.treatment}"
+
