@@ -23,6 +23,8 @@ CASES = {
     "chunk-end-as-boundary": ("cpu-tiny-fragmented", "cold-race", "race-divergence"),
 }
 SEEDS = (21, 22)
+# A multiturn run takes ~3 min on 2 cores: the full trio runs the second seed and the mode without a control the
+# first, so both seeds and both modes are exercised once; the cold race (~1 min) runs both seeds in full.
 # The multiturn faults needed 6-26 conversations at full rate against a reference of the same size (bench/results/
 # faults.md, "needed", 20/20 seeds caught at 32 each); a 16-conversation run of seed 22 graded eagle-overrun PASS,
 # truthfully ("... in >= 67% of hits would have been detected"). These tests check that the fault is caught, not
@@ -69,7 +71,7 @@ def test_fault_fires_and_is_caught_by_its_grader(fault: str, cpu_fleet: Fleet, t
     profile, probe, catcher = CASES[fault]
     with _treatment(profile, fault, tmp_path / "servers") as fleet:
         fleet.start()
-        for seed in SEEDS:
+        for seed in SEEDS if probe == "cold-race" else SEEDS[1:]:
             code, verdict, output = _blackbox(
                 fleet.urls["treatment"], cpu_fleet, probe, tmp_path / f"runs-{seed}", seed
             )
