@@ -47,10 +47,9 @@ from typing import Any
 
 from scipy.stats import binomtest
 
-from blackbox.config import RunConfig
+from blackbox.config import RaceSettings, RunConfig
 from blackbox.engine import judge, rejudge, run
 from blackbox.history import Arm, History
-from blackbox.race import RaceSettings
 from blackbox.store import RunStore
 from blackbox.verdict import Status, Verdict
 from servers.launch import Fleet
