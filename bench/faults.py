@@ -22,7 +22,8 @@ chance of a `CorruptionDetected`.
 Groups for --cases: all, false-alarm (the clean default and its benign variants), faults (each fault firing on
 every candidate), sporadic (each fault at 0.2 and 0.1, both shapes), alone (the treatment alone, single-endpoint
 mode: the model trained to recall with the multiturn probe, clean and each multiturn fault; the cold race, clean
-and its fault). Names may be globs ('eagle-overrun*').
+and its fault), held (issue 23: the held-prefix probe clean, and the concurrent-resume fault on all three probes;
+eagle-overrun at 0.5 in both shapes on the held-prefix probe). Names may be globs ('eagle-overrun*').
 """
 
 from __future__ import annotations
@@ -73,9 +74,12 @@ class Case:
     spec_tokens: int | None = None  # None: the profile's speculative config
     reference: bool = True
     alone: bool = False  # the treatment alone (single-endpoint mode: no control, no reference)
+    held: bool = False  # the held-prefix probe's red/green set (issue 23), its own group
 
     @property
     def group(self) -> str:
+        if self.held:
+            return "held"
         if self.alone:
             return "alone"
         if self.fault is None:
@@ -83,9 +87,14 @@ class Case:
         return "faults" if self.sporadic == 1.0 else "sporadic"
 
     @property
+    def conversational(self) -> bool:
+        """Its length is --conversations (the held-prefix probe holds half as many prefixes), not race rounds."""
+        return self.probe in ("multiturn", "held-prefix")
+
+    @property
     def has_yardstick(self) -> bool:
-        """Only a multiturn run with a reference has one (--reference-ratio)."""
-        return self.reference and not self.alone and self.probe == "multiturn"
+        """Only a multiturn or held-prefix run with a reference has one (--reference-ratio)."""
+        return self.reference and not self.alone and self.probe in ("multiturn", "held-prefix")
 
     def ratio(self, asked: int) -> int:
         return asked if self.has_yardstick else 1
@@ -127,7 +136,26 @@ CASES: tuple[Case, ...] = (
         for fraction, shape in _SPORADIC
     ),
 )
-GROUPS = ("all", "false-alarm", "faults", "sporadic", "alone")
+# Issue 23: the held-prefix probe, clean and against concurrent-resume (the fault only it reaches, missed by the
+# other two: shown on them too), and the two sporadic shapes it must tell apart.
+CASES += (
+    Case("clean held-prefix", "held-prefix", held=True),
+    Case("concurrent-resume held-prefix", "held-prefix", fault="concurrent-resume", held=True),
+    Case("concurrent-resume multiturn", "multiturn", fault="concurrent-resume", held=True),
+    Case("concurrent-resume cold-race", "cold-race", "cpu-tiny-fragmented", fault="concurrent-resume", held=True),
+    *(
+        Case(
+            f"eagle-overrun 0.5 {shape} held-prefix",
+            "held-prefix",
+            fault="eagle-overrun",
+            sporadic=0.5,
+            shape=shape,
+            held=True,
+        )
+        for shape in ("block", "restore")
+    ),
+)
+GROUPS = ("all", "false-alarm", "faults", "sporadic", "alone", "held")
 
 
 def select(spec: str) -> list[Case]:
@@ -151,6 +179,8 @@ def select(spec: str) -> list[Case]:
 def smallest_failing(history: History, config: RunConfig) -> int | None:
     """The fewest leading conversations (race rounds) whose re-judged verdict is still FAIL. A run of n
     conversations has the reference's 0..ratio*n-1 as well: those of the treatment's n.. count as yardstick."""
+    if config.probes == ("held-prefix",):
+        return _smallest_failing_held(history, config)
     units = history.plans if config.probes == ("multiturn",) else history.races
     every = {p.index: p for p in history.plans_of(Arm.REFERENCE)}
     for n in range(1, len(units) + 1):
@@ -174,8 +204,20 @@ def smallest_failing(history: History, config: RunConfig) -> int | None:
     return None
 
 
+def _smallest_failing_held(history: History, config: RunConfig) -> int | None:
+    """`smallest_failing` for the held-prefix probe: its prefixes are listed in History.extras."""
+    data = history.extras.get("held-prefix") or {}
+    rows = [*data.get("held", ()), *data.get("yardstick", ())]
+    for n in range(1, len(data.get("held", ())) + 1):
+        kept = rows[: n * config.reference_ratio]
+        sub = dataclasses.replace(history, extras={"held-prefix": {**data, "held": kept[:n], "yardstick": kept[n:]}})
+        if judge(sub, config)[0].status is Status.FAIL:
+            return n
+    return None
+
+
 def run_config(case: Case, urls: Mapping[str, str], seed: int, args: argparse.Namespace, length: int) -> RunConfig:
-    multiturn = case.probe == "multiturn"
+    multiturn = case.conversational
     return RunConfig(
         treatment=urls["treatment"],
         control=urls.get("control"),
@@ -364,7 +406,7 @@ def case_row(case: Case, records: Sequence[Mapping[str, Any]], reference_ratio: 
     unknown = [r for r in runs if r["status"] in ("UNKNOWN", "ERROR")]
     passed = [r for r in runs if r["status"] == "PASS"]
     extended = [r for r in records if r not in runs]
-    unit = "conv" if case.probe == "multiturn" else "rounds"
+    unit = {"multiturn": "conv", "held-prefix": "held prefixes"}.get(case.probe, "rounds")
     lengths = sorted({r["length"] for r in runs})
     per_length = extended or len(lengths) > 1
     seeds = {n: sum(r["length"] == n for r in runs) for n in lengths}
@@ -385,7 +427,7 @@ def case_row(case: Case, records: Sequence[Mapping[str, Any]], reference_ratio: 
         str(len(passed)),
         _counts(c for r in fails for c in r["caught_by"]),
         f"{_spread([r['needed'] for r in fails if r['needed'] is not None])} {unit}",
-        f"{length} {'conv' if case.probe == 'multiturn' else 'rounds per size'}",
+        f"{length} {'conv' if case.conversational else 'rounds per size'}",
         fire_txt,
         f"{statistics.median(r['wall_s'] for r in runs):.0f} s" if runs else "-",
         "; ".join(made),
@@ -471,7 +513,9 @@ def extension(case: Case, record: Mapping[str, Any], args: argparse.Namespace) -
     if not args.extend_to or record["error_class"] != "InsufficientPower":
         return None
     asked = record.get("asked") or args.extend_to
-    if case.probe != "multiturn":
+    if case.probe == "held-prefix":
+        asked *= 2  # asked in held prefixes, run as --conversations
+    elif not case.conversational:
         asked = -(-asked // len(RaceSettings.sizes))
     length = min(max(asked, record["length"] + 1), args.extend_to)
     return length if length > record["length"] else None
@@ -489,7 +533,7 @@ def pending_seeds(case: Case, args: argparse.Namespace) -> list[int]:
 
 
 def default_length(case: Case, args: argparse.Namespace) -> int:
-    return int(args.conversations if case.probe == "multiturn" else args.race_rounds)
+    return int(args.conversations if case.conversational else args.race_rounds)
 
 
 def run_seed(case: Case, fleet: Fleet, seed: int, args: argparse.Namespace, stamp: Mapping[str, str], out: Path) -> int:
