@@ -22,8 +22,9 @@ chance of a `CorruptionDetected`.
 Groups for --cases: all, false-alarm (the clean default and its benign variants), faults (each fault firing on
 every candidate), sporadic (each fault at 0.2 and 0.1, both shapes), alone (the treatment alone, single-endpoint
 mode: the model trained to recall with the multiturn probe, clean and each multiturn fault; the cold race, clean
-and its fault), held (issue 23: the held-prefix probe clean, and the concurrent-resume fault on all three probes;
-eagle-overrun at 0.5 in both shapes on the held-prefix probe). Names may be globs ('eagle-overrun*').
+and its fault), new-probes (issue 23: the held-prefix probe clean, the concurrent-resume fault on it and on the
+two older probes, eagle-overrun at 0.5 in both shapes on it; the hit-geometry sweep clean). Names may be globs
+('eagle-overrun*').
 """
 
 from __future__ import annotations
@@ -74,12 +75,12 @@ class Case:
     spec_tokens: int | None = None  # None: the profile's speculative config
     reference: bool = True
     alone: bool = False  # the treatment alone (single-endpoint mode: no control, no reference)
-    held: bool = False  # the held-prefix probe's red/green set (issue 23), its own group
+    new_probe: bool = False  # the red/green set of the probes issue 23 added, a group of its own
 
     @property
     def group(self) -> str:
-        if self.held:
-            return "held"
+        if self.new_probe:
+            return "new-probes"
         if self.alone:
             return "alone"
         if self.fault is None:
@@ -89,7 +90,7 @@ class Case:
     @property
     def conversational(self) -> bool:
         """Its length is --conversations (the held-prefix probe holds half as many prefixes), not race rounds."""
-        return self.probe in ("multiturn", "held-prefix")
+        return self.probe in ("multiturn", "held-prefix", "hit-geometry")
 
     @property
     def has_yardstick(self) -> bool:
@@ -139,10 +140,11 @@ CASES: tuple[Case, ...] = (
 # Issue 23: the held-prefix probe, clean and against concurrent-resume (the fault only it reaches, missed by the
 # other two: shown on them too), and the two sporadic shapes it must tell apart.
 CASES += (
-    Case("clean held-prefix", "held-prefix", held=True),
-    Case("concurrent-resume held-prefix", "held-prefix", fault="concurrent-resume", held=True),
-    Case("concurrent-resume multiturn", "multiturn", fault="concurrent-resume", held=True),
-    Case("concurrent-resume cold-race", "cold-race", "cpu-tiny-fragmented", fault="concurrent-resume", held=True),
+    Case("clean held-prefix", "held-prefix", new_probe=True),
+    Case("clean hit-geometry", "hit-geometry", new_probe=True),
+    Case("concurrent-resume held-prefix", "held-prefix", fault="concurrent-resume", new_probe=True),
+    Case("concurrent-resume multiturn", "multiturn", fault="concurrent-resume", new_probe=True),
+    Case("concurrent-resume cold-race", "cold-race", "cpu-tiny-fragmented", fault="concurrent-resume", new_probe=True),
     *(
         Case(
             f"eagle-overrun 0.5 {shape} held-prefix",
@@ -150,12 +152,12 @@ CASES += (
             fault="eagle-overrun",
             sporadic=0.5,
             shape=shape,
-            held=True,
+            new_probe=True,
         )
         for shape in ("block", "restore")
     ),
 )
-GROUPS = ("all", "false-alarm", "faults", "sporadic", "alone", "held")
+GROUPS = ("all", "false-alarm", "faults", "sporadic", "alone", "new-probes")
 
 
 def select(spec: str) -> list[Case]:

@@ -86,3 +86,15 @@ def test_probe_all_expands_to_every_probe_in_place_and_repeats_are_dropped() -> 
 
 def test_selected_runs_in_registry_order() -> None:
     assert [p.name for p in probes.selected(["cold-race", "multiturn"])] == ["multiturn", "cold-race"]
+
+
+def test_the_cli_takes_probe_all_and_repeats() -> None:
+    from blackbox import cli
+
+    def probes_of(*argv: str) -> tuple[str, ...]:
+        args = cli._parser().parse_args(["run", "--treatment", "http://t", *argv])
+        return cli._config(args, {"treatment": args.treatment, "control": None}, None).probes
+
+    assert probes_of() == ("multiturn",)
+    assert probes_of("--probe", "all") == tuple(probes.PROBES)
+    assert probes_of("--probe", "held-prefix", "--probe", "cold-race") == ("held-prefix", "cold-race")
