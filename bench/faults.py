@@ -23,7 +23,9 @@ Groups for --cases: all, false-alarm (the clean default and its benign variants)
 every candidate), sporadic (each fault at 0.2 and 0.1, both shapes), alone (the treatment alone, single-endpoint
 mode: the model trained to recall with the multiturn probe, clean and each multiturn fault; the cold race, clean
 and its fault), arm-mismatch (treatment or reference alone with a flag that changes numerics, to be refused as
-`ConfigMismatch`; each multiturn fault with both arms at a small step budget, to FAIL). Names may be globs
+`ConfigMismatch`; each multiturn fault with both arms at a small step budget, to FAIL), new-probes (issue 23: the
+held-prefix probe clean, the concurrent-resume fault on it and on the two older probes, eagle-overrun at 0.5 in
+both shapes on it; the hit-geometry sweep clean). Names may be globs
 ('eagle-overrun*').
 """
 
@@ -49,10 +51,9 @@ from typing import Any
 
 from scipy.stats import binomtest
 
-from blackbox.config import RunConfig
+from blackbox.config import RaceSettings, RunConfig
 from blackbox.engine import judge, rejudge, run
 from blackbox.history import Arm, History
-from blackbox.race import RaceSettings
 from blackbox.store import RunStore
 from blackbox.verdict import Status, Verdict
 from servers.launch import Fleet
@@ -79,9 +80,12 @@ class Case:
     treatment_args: tuple[str, ...] = ()  # flags the treatment alone gets on top of the profile's
     reference_args: tuple[str, ...] = ()  # flags the reference alone gets
     arms_unlike: bool = False  # a case of the arm-mismatch group (issue 27)
+    new_probe: bool = False  # the red/green set of the probes issue 23 added, a group of its own
 
     @property
     def group(self) -> str:
+        if self.new_probe:
+            return "new-probes"
         if self.arms_unlike or self.treatment_args or self.reference_args:
             return "arm-mismatch"
         if self.alone:
@@ -91,9 +95,14 @@ class Case:
         return "faults" if self.sporadic == 1.0 else "sporadic"
 
     @property
+    def conversational(self) -> bool:
+        """Its length is --conversations (the held-prefix probe holds half as many prefixes), not race rounds."""
+        return self.probe in ("multiturn", "held-prefix", "hit-geometry")
+
+    @property
     def has_yardstick(self) -> bool:
-        """Only a multiturn run with a reference has one (--reference-ratio)."""
-        return self.reference and not self.alone and self.probe == "multiturn"
+        """Only a multiturn or held-prefix run with a reference has one (--reference-ratio)."""
+        return self.reference and not self.alone and self.probe in ("multiturn", "held-prefix")
 
     def ratio(self, asked: int) -> int:
         return asked if self.has_yardstick else 1
@@ -147,7 +156,27 @@ CASES: tuple[Case, ...] = (
         if probe == "multiturn"
     ),
 )
-GROUPS = ("all", "false-alarm", "faults", "sporadic", "alone", "arm-mismatch")
+# Issue 23: the held-prefix probe, clean and against concurrent-resume (the fault only it reaches, missed by the
+# other two: shown on them too), and the two sporadic shapes it must tell apart.
+CASES += (
+    Case("clean held-prefix", "held-prefix", new_probe=True),
+    Case("clean hit-geometry", "hit-geometry", new_probe=True),
+    Case("concurrent-resume held-prefix", "held-prefix", fault="concurrent-resume", new_probe=True),
+    Case("concurrent-resume multiturn", "multiturn", fault="concurrent-resume", new_probe=True),
+    Case("concurrent-resume cold-race", "cold-race", "cpu-tiny-fragmented", fault="concurrent-resume", new_probe=True),
+    *(
+        Case(
+            f"eagle-overrun 0.5 {shape} held-prefix",
+            "held-prefix",
+            fault="eagle-overrun",
+            sporadic=0.5,
+            shape=shape,
+            new_probe=True,
+        )
+        for shape in ("block", "restore")
+    ),
+)
+GROUPS = ("all", "false-alarm", "faults", "sporadic", "alone", "arm-mismatch", "new-probes")
 
 
 def select(spec: str) -> list[Case]:
@@ -171,6 +200,8 @@ def select(spec: str) -> list[Case]:
 def smallest_failing(history: History, config: RunConfig) -> int | None:
     """The fewest leading conversations (race rounds) whose re-judged verdict is still FAIL. A run of n
     conversations has the reference's 0..ratio*n-1 as well: those of the treatment's n.. count as yardstick."""
+    if config.probes == ("held-prefix",):
+        return _smallest_failing_held(history, config)
     units = history.plans if config.probes == ("multiturn",) else history.races
     every = {p.index: p for p in history.plans_of(Arm.REFERENCE)}
     for n in range(1, len(units) + 1):
@@ -194,8 +225,20 @@ def smallest_failing(history: History, config: RunConfig) -> int | None:
     return None
 
 
+def _smallest_failing_held(history: History, config: RunConfig) -> int | None:
+    """`smallest_failing` for the held-prefix probe: its prefixes are listed in History.extras."""
+    data = history.extras.get("held-prefix") or {}
+    rows = [*data.get("held", ()), *data.get("yardstick", ())]
+    for n in range(1, len(data.get("held", ())) + 1):
+        kept = rows[: n * config.reference_ratio]
+        sub = dataclasses.replace(history, extras={"held-prefix": {**data, "held": kept[:n], "yardstick": kept[n:]}})
+        if judge(sub, config)[0].status is Status.FAIL:
+            return n
+    return None
+
+
 def run_config(case: Case, urls: Mapping[str, str], seed: int, args: argparse.Namespace, length: int) -> RunConfig:
-    multiturn = case.probe == "multiturn"
+    multiturn = case.conversational
     return RunConfig(
         treatment=urls["treatment"],
         control=urls.get("control"),
@@ -384,7 +427,7 @@ def case_row(case: Case, records: Sequence[Mapping[str, Any]], reference_ratio: 
     unknown = [r for r in runs if r["status"] in ("UNKNOWN", "ERROR")]
     passed = [r for r in runs if r["status"] == "PASS"]
     extended = [r for r in records if r not in runs]
-    unit = "conv" if case.probe == "multiturn" else "rounds"
+    unit = {"multiturn": "conv", "held-prefix": "held prefixes"}.get(case.probe, "rounds")
     lengths = sorted({r["length"] for r in runs})
     per_length = extended or len(lengths) > 1
     seeds = {n: sum(r["length"] == n for r in runs) for n in lengths}
@@ -405,7 +448,7 @@ def case_row(case: Case, records: Sequence[Mapping[str, Any]], reference_ratio: 
         str(len(passed)),
         _counts(c for r in fails for c in r["caught_by"]),
         f"{_spread([r['needed'] for r in fails if r['needed'] is not None])} {unit}",
-        f"{length} {'conv' if case.probe == 'multiturn' else 'rounds per size'}",
+        f"{length} {'conv' if case.conversational else 'rounds per size'}",
         fire_txt,
         f"{statistics.median(r['wall_s'] for r in runs):.0f} s" if runs else "-",
         "; ".join(made),
@@ -495,7 +538,9 @@ def extension(case: Case, record: Mapping[str, Any], args: argparse.Namespace) -
     if not args.extend_to or record["error_class"] != "InsufficientPower":
         return None
     asked = record.get("asked") or args.extend_to
-    if case.probe != "multiturn":
+    if case.probe == "held-prefix":
+        asked *= 2  # asked in held prefixes, run as --conversations
+    elif not case.conversational:
         asked = -(-asked // len(RaceSettings.sizes))
     length = min(max(asked, record["length"] + 1), args.extend_to)
     return length if length > record["length"] else None
@@ -513,7 +558,7 @@ def pending_seeds(case: Case, args: argparse.Namespace) -> list[int]:
 
 
 def default_length(case: Case, args: argparse.Namespace) -> int:
-    return int(args.conversations if case.probe == "multiturn" else args.race_rounds)
+    return int(args.conversations if case.conversational else args.race_rounds)
 
 
 def run_seed(case: Case, fleet: Fleet, seed: int, args: argparse.Namespace, stamp: Mapping[str, str], out: Path) -> int:

@@ -21,10 +21,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from blackbox import errors, guard, inputs
-from blackbox.config import GRADERS, PROBES, Grading, RunConfig
+from blackbox import errors, guard, inputs, probes
+from blackbox.config import GRADERS, Grading, RaceSettings, RunConfig
 from blackbox.engine import RunResult, rejudge, run
-from blackbox.race import RaceSettings
 from blackbox.report import ProgressLine, summary
 from blackbox.secrets import Redactor
 from blackbox.store import RunStore, new_run_id, write_traceback
@@ -68,9 +67,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--probe",
         action="append",
-        choices=PROBES,
-        help="multiturn (default): decode-written blocks re-used by turn 2; cold-race: concurrent cold "
-        "prefills under a small step budget (A1). Repeat for both.",
+        choices=[*probes.PROBES, probes.ALL],
+        help="; ".join(f"{p.name}: {p.about}" for p in probes.PROBES.values())
+        + f". Repeat for several; {probes.ALL}: every probe.",
     )
     p.add_argument("--racers", type=int, default=RaceSettings.racers, help="identical prompts per cold-race round")
     p.add_argument(
@@ -160,7 +159,7 @@ def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | 
         api_key_env=getattr(args, "api_key_env", None) or "BLACKBOX_API_KEY",
         shape=shape,
         grading=grading,
-        probes=tuple(dict.fromkeys(args.probe or ("multiturn",))),
+        probes=probes.expand(args.probe or ("multiturn",)),
         race=RaceSettings(racers=args.racers),
         max_num_batched_tokens=args.max_num_batched_tokens,
         treatment_metrics=tuple(getattr(args, "treatment_metrics", None) or ()),

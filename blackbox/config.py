@@ -8,13 +8,26 @@ from typing import Any
 
 from blackbox import inputs, secrets
 from blackbox.errors import UsageError
-from blackbox.race import RaceSettings
 from blackbox.workload import Shape
 
-__all__ = ["GRADERS", "PROBES", "Grading", "RunConfig"]
+__all__ = ["GRADERS", "PROBES", "Grading", "RaceSettings", "RunConfig"]
 
 GRADERS = ("exactness", "recall", "logprob")
-PROBES = ("multiturn", "cold-race")
+# The names of the probes in `blackbox.probes.PROBES`, in the order they run (a test checks the two agree; the
+# registry imports this module, so this one cannot import it).
+PROBES = ("multiturn", "cold-race", "held-prefix", "hit-geometry")
+
+
+@dataclass(frozen=True)
+class RaceSettings:
+    """The cold-race probe's rounds (blackbox.probes.cold_race)."""
+
+    racers: int = 8
+    rounds_per_size: int = 3
+    sizes: tuple[float, ...] = (1.5, 2.5)  # prompt length in blocks
+    followups: int = 4
+    max_tokens: int = 32  # of each follow-up; racers decode past the block their prompt ends in
+    top_logprobs: int = 5
 
 
 @dataclass(frozen=True)

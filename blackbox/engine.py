@@ -1,28 +1,27 @@
-"""The one engine behind the CLI and the pytest plugin: drive the conversations, gate, grade, store."""
+"""The one engine behind the CLI and the pytest plugin: drive each probe named, gate, grade, store.
+
+The engine knows probes only through `blackbox.probes` (the registry and the `Probe` interface)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from blackbox import comparability, errors, gates, geometry, guard, metrics, race, yardstick
-from blackbox.client import Endpoint, gather_bounded
+from blackbox import comparability, errors, gates, geometry, guard, probes, yardstick
+from blackbox.client import Endpoint
 from blackbox.config import RunConfig
 from blackbox.graders import Grades, grade
-from blackbox.history import Arm, Exchange, History, Kind, Plan
-from blackbox.metrics import MetricsDelta, MetricsSnapshot
+from blackbox.history import Arm, Exchange, History
+from blackbox.metrics import MetricsDelta
+from blackbox.probes.base import DriveContext, Driven, Progress, settle
 from blackbox.store import RunStore, load_history, load_preflight, load_servers
 from blackbox.verdict import Finding, Status, Verdict, merge
-from blackbox.workload import plan_conversation, turn1_body, turn2_body, turn2_messages
 
 __all__ = ["RunResult", "judge", "run"]
-
-Progress = Callable[[int, int, str], None]
-_SETTLE_KEYS = (metrics.CACHE_HITS, metrics.CACHE_QUERIES, metrics.DRAFTS, metrics.ACCEPTED)
 
 
 @dataclass(frozen=True)
@@ -139,7 +138,6 @@ def _quiet(done: int, total: int, note: str) -> None:
 async def _drive(
     config: RunConfig, endpoints: Mapping[str, Endpoint], store: RunStore, progress: Progress
 ) -> tuple[History | None, geometry.Geometry, list[Finding]]:
-    treatment = endpoints[Arm.TREATMENT]
     progress(0, config.conversations, "checking servers")
     for endpoint in endpoints.values():
         await endpoint.ready()
@@ -163,24 +161,16 @@ async def _drive(
         # The raw body (logprobs as nested JSON) is on disk now; graders read the parsed tokens only.
         return dataclasses.replace(e, response=None)
 
-    plans: list[Plan] = []
-    yardstick: list[Plan] = []
-    exchanges: list[Exchange] = []
-    if "multiturn" in config.probes:
-        plans, found = await _multiturn(config, endpoints, geo, salt, record, progress)
-        plans, yardstick = plans[: config.conversations], plans[config.conversations :]
-        exchanges.extend(found)
-        store.write_json("plans.json", [p.__dict__ for p in plans])
-        if yardstick:
-            store.write_json("yardstick-plans.json", [p.__dict__ for p in yardstick])
-    rounds: list[race.RaceRound] = []
-    race_window: MetricsDelta | None = None
-    if "cold-race" in config.probes:
-        progress(0, 0, "cold race")
-        rounds, found, race_window = await _cold_race(config, treatment, geo, salt, record, store)
-        exchanges.extend(found)
+    ctx = DriveContext(config, endpoints, geo, salt, record, progress, store)
+    by_probe: dict[str, Driven] = {}
+    for probe in probes.selected(config.probes):
+        by_probe[probe.name] = done = await probe.drive(ctx)
+        if done.data is not None:
+            store.write_json(f"probes/{probe.name}.json", done.data)
+    driven = list(by_probe.values())
+    plans = [p for d in driven for p in d.plans]
     progress(len(plans), len(plans), "waiting for counters to settle")
-    after = {arm: await _settle(e, config.settle_s) for arm, e in endpoints.items()}
+    after = {arm: await settle(e, config.settle_s) for arm, e in endpoints.items()}
     for arm, snap in after.items():
         store.write_text(f"metrics/{arm}-after.prom", snap.text)
     # Every scrape in between too (periodic ones included), so a restart that the counters outgrew is caught.
@@ -188,134 +178,16 @@ async def _drive(
     history = History(
         geo.block_size,
         tuple(plans),
-        tuple(exchanges),
+        tuple(e for d in driven for e in d.exchanges),
         deltas,
-        tuple(rounds),
+        tuple(r for d in driven for r in d.races),
         config.max_num_batched_tokens,
-        race_window,
+        next((d.race_window for d in driven if d.race_window is not None), None),
         infos[Arm.TREATMENT],
-        tuple(yardstick),
+        tuple(p for d in driven for p in d.yardstick),
+        {name: d.data for name, d in by_probe.items() if d.data is not None},
     )
     return history, geo, preflight
-
-
-async def _multiturn(
-    config: RunConfig,
-    endpoints: Mapping[str, Endpoint],
-    geo: geometry.Geometry,
-    salt: str,
-    record: Callable[[Exchange], Exchange],
-    progress: Progress,
-) -> tuple[list[Plan], list[Exchange]]:
-    """Every arm runs conversations 0..n-1; the reference alone runs the yardstick's n..ratio*n-1 as well."""
-    total = config.conversations * (config.reference_ratio if Arm.REFERENCE in endpoints else 1)
-    progress(0, total, f"sizing prompts (block {geo.block_size} tokens)")
-    count = endpoints[Arm.TREATMENT].count_tokens
-    plans = await gather_bounded(
-        config.concurrency * 2,
-        *(
-            plan_conversation(i, config.seed, config.shape, geo.block_size, geo.max_model_len, count)
-            for i in range(total)
-        ),
-    )
-    done = 0
-
-    async def one(plan: Plan) -> list[Exchange]:
-        nonlocal done
-        out = await _conversation(config, endpoints, plan, salt, record)
-        done += 1
-        progress(done, len(plans), f"conversation {plan.index} done")
-        return out
-
-    # Interleaved (0, n, 2n, 1, n+1, ...) so the treatment is not left idle while the reference runs its extras.
-    order = sorted(plans, key=lambda p: (p.index % config.conversations, p.index))
-    results = await gather_bounded(config.concurrency, *(one(p) for p in order))
-    return list(plans), [e for r in results for e in r]
-
-
-async def _cold_race(
-    config: RunConfig,
-    treatment: Endpoint,
-    geo: geometry.Geometry,
-    salt: str,
-    record: Callable[[Exchange], Exchange],
-    store: RunStore,
-) -> tuple[list[race.RaceRound], list[Exchange], MetricsDelta]:
-    """The race rounds between two settled snapshots (the window proves fragmentation), then the liveness pair."""
-    found: list[Exchange] = []
-
-    def keep(e: Exchange) -> Exchange:
-        found.append(record(e))
-        return found[-1]
-
-    before = await _settle(treatment, config.settle_s)
-    rounds = await race.drive(treatment, config.race, config.seed, geo.block_size, geo.max_model_len, salt, keep)
-    window = MetricsDelta(before, await _settle(treatment, config.settle_s))
-    store.write_text("metrics/race-window/before.prom", window.before.text)
-    store.write_text("metrics/race-window/after.prom", window.after.text)
-    await race.send_liveness(treatment, config.seed, geo.block_size, geo.max_model_len, salt, keep)
-    store.write_json("race.json", {"budget": config.max_num_batched_tokens, "rounds": [r.__dict__ for r in rounds]})
-    return rounds, found, window
-
-
-async def _conversation(
-    config: RunConfig,
-    endpoints: Mapping[str, Endpoint],
-    plan: Plan,
-    salt: str,
-    record: Callable[[Exchange], Exchange],
-) -> list[Exchange]:
-    shape, conv = config.shape, plan.index
-
-    async def ask(arm: str, kind: str, body: dict[str, object]) -> Exchange:
-        return record(await endpoints[arm].chat(body, conversation=conv, kind=kind))
-
-    def fresh(kind: str) -> str:
-        return f"{salt}-{conv}-{kind}-fresh"
-
-    async def resumed(arm: str) -> list[Exchange]:
-        """Turn 1 on `arm`, then turn 2 on its own answer: hit first, then the same prompt with no reuse."""
-        t1 = await ask(arm, Kind.TURN1, {**turn1_body(plan, shape), "cache_salt": salt})
-        if not t1.ok:
-            return [t1]
-        m2 = turn2_messages(plan, t1.text)
-        out = [t1, await ask(arm, Kind.TURN2, turn2_body(m2, shape, salt=salt))]
-        out.append(await ask(arm, Kind.TURN2_FRESH, turn2_body(m2, shape, salt=fresh(Kind.TURN2))))
-        control = (
-            asyncio.create_task(ask(Arm.CONTROL, Kind.TURN2, turn2_body(m2, shape, salt=salt)))
-            if arm == Arm.TREATMENT and Arm.CONTROL in endpoints
-            else None
-        )
-        # The probe's hit ends in the prefill-written region; on the reference it measures whether this engine
-        # is bit-exact there, so exactness is demanded only where it was measured.
-        out.append(await ask(arm, Kind.PROBE, turn2_body(plan.probe_messages, shape, salt=salt, probe=True)))
-        out.append(
-            await ask(arm, Kind.PROBE_FRESH, turn2_body(plan.probe_messages, shape, salt=fresh(Kind.PROBE), probe=True))
-        )
-        if control is not None:
-            out.append(await control)
-        return out
-
-    if conv >= config.conversations:  # a yardstick conversation: the reference's alone
-        return await resumed(Arm.REFERENCE)
-    chains = [resumed(Arm.TREATMENT)]
-    if Arm.REFERENCE in endpoints:
-        chains.append(resumed(Arm.REFERENCE))
-    return [e for chain in await asyncio.gather(*chains) for e in chain]
-
-
-async def _settle(endpoint: Endpoint, limit_s: float) -> MetricsSnapshot:
-    """vLLM updates counters after responding: poll until the counters we read stop moving."""
-    deadline = time.monotonic() + limit_s
-    last = await endpoint.metrics()
-    stable = 0
-    while time.monotonic() < deadline and stable < 2:
-        await asyncio.sleep(0.5)
-        current = await endpoint.metrics()
-        same = all(current.value(k) == last.value(k) for k in _SETTLE_KEYS)
-        stable = stable + 1 if same else 0
-        last = current
-    return last
 
 
 def _write_replays(

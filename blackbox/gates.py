@@ -1,6 +1,8 @@
 """Liveness gates: proof that the trigger fired, checked before any grader is believed.
 
-A gate that fails turns the run UNKNOWN with its own class; a run that tested nothing is never PASS.
+A gate that fails turns the run UNKNOWN with its own class; a run that tested nothing is never PASS. The gates
+here hold for every probe (every request answered, with finite logprobs; no counter reset; the cache hit at all);
+each probe adds its own trigger proof (`Probe.gates`).
 """
 
 from __future__ import annotations
@@ -8,36 +10,33 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from blackbox import errors, metrics, race
+from blackbox import errors, metrics
 from blackbox.config import Grading
-from blackbox.history import Arm, History, Kind, Plan
-from blackbox.server_info import trigger_hint
+from blackbox.history import Arm, History
+from blackbox.probes import selected
+from blackbox.probes.multiturn import (
+    decode_region_hits,
+    drafter_live,
+    in_decode_region,
+    in_prefill_region,
+    reaches_decode_region,
+    trigger,
+)
 from blackbox.verdict import Finding
 
-__all__ = ["all_gates", "decode_region_hits", "in_decode_region", "in_prefill_region", "reaches_decode_region"]
-
-
-def in_prefill_region(plan: Plan, cached: int) -> bool:
-    """A hit that ends inside turn 1's prompt resumes from a checkpoint written during prefill."""
-    return 0 < cached <= plan.turn1_prompt_tokens
-
-
-def in_decode_region(plan: Plan, cached: int) -> bool:
-    """A hit that ends past turn 1's prompt resumes from a checkpoint written while turn 1 was decoding (the block
-    the prompt ended in was completed by decode): the blocks speculative decoding wrote."""
-    return cached > plan.turn1_prompt_tokens
-
-
-def reaches_decode_region(history: History, conversation: int, arm: str) -> bool:
-    plan = history.plan(conversation)
-    turn2 = history.get(conversation, arm, Kind.TURN2)
-    if plan is None or turn2 is None or not turn2.ok or turn2.cached_tokens is None:
-        return False
-    return in_decode_region(plan, turn2.cached_tokens)
-
-
-def decode_region_hits(history: History, arm: str) -> list[int]:
-    return [p.index for p in history.plans if reaches_decode_region(history, p.index, arm)]
+__all__ = [
+    "all_gates",
+    "cache_live",
+    "counters",
+    "decode_region_hits",
+    "drafter_live",
+    "endpoints",
+    "in_decode_region",
+    "in_prefill_region",
+    "logprobs",
+    "reaches_decode_region",
+    "trigger",
+]
 
 
 def endpoints(history: History) -> Finding:
@@ -131,95 +130,9 @@ def cache_live(history: History) -> Finding:
     )
 
 
-def trigger(history: History, grading: Grading) -> Finding:
-    plans = history.plans
-    turn2 = [history.get(p.index, Arm.TREATMENT, Kind.TURN2) for p in plans]
-    reported = [e for e in turn2 if e is not None and e.ok and e.cached_tokens is not None]
-    hits = decode_region_hits(history, Arm.TREATMENT)
-    need = max(1, math.ceil(grading.min_trigger_fraction * len(plans)))
-    figures = {
-        "conversations": len(plans),
-        "decode_region_hits": len(hits),
-        "needed": need,
-        "fraction": len(hits) / len(plans) if plans else 0.0,
-        "cached_tokens": [e.cached_tokens if e else None for e in turn2],
-        "turn1_prompt_tokens": [p.turn1_prompt_tokens for p in plans],
-    }
-    if plans and not reported:
-        return Finding.from_error(
-            "trigger",
-            errors.TriggerNotExercised(
-                "the treatment reported no usage.prompt_tokens_details.cached_tokens",
-                hint="start the treatment with --enable-prompt-tokens-details",
-            ),
-            **figures,
-        )
-    if len(hits) < need:
-        return Finding.from_error(
-            "trigger",
-            errors.TriggerNotExercised(
-                f"only {len(hits)} of {len(plans)} turn-2 hits reached a block written during decode (need {need}); "
-                "a hit must end past turn 1's prompt",
-                hint=_known(history)
-                + "keep decode-written checkpoints (--prefix-cache-retention-interval None on vLLM >= 0.29, "
-                "VLLM_PREFIX_CACHE_RETENTION_INTERVAL unset before), "
-                "check --block-size, or raise --answer-blocks",
-            ),
-            **figures,
-        )
-    return Finding.passed(
-        "trigger", f"{len(hits)} of {len(plans)} turn-2 hits reached decode-written blocks", **figures
-    )
-
-
-def _known(history: History) -> str:
-    """What the treatment's own release and settings explain, first in a hint."""
-    said = trigger_hint(history.treatment_info) if history.treatment_info is not None else ""
-    return f"{said}; otherwise: " if said else ""
-
-
-def drafter_live(history: History) -> Finding:
-    delta = history.deltas.get(Arm.TREATMENT)
-    drafts = delta.value(metrics.DRAFTS) if delta else None
-    drafted = delta.value(metrics.DRAFT_TOKENS) if delta else None
-    accepted = delta.value(metrics.ACCEPTED) if delta else None
-    per_pos = delta.per_label(metrics.ACCEPTED_PER_POS, "position") if delta else {}
-    acceptance = {k: v / drafts for k, v in sorted(per_pos.items())} if drafts else {}
-    figures = {
-        "drafts": drafts,
-        "draft_tokens": drafted,
-        "accepted_tokens": accepted,
-        "acceptance_per_position": acceptance,
-    }
-    if drafts is None:
-        return Finding.from_error(
-            "drafter-live",
-            errors.SpecDecodeNotEngaged(
-                "the treatment's /metrics has no speculative-decoding counters",
-                hint="start the treatment with --speculative-config (MTP or EAGLE)",
-            ),
-            **figures,
-        )
-    if drafts <= 0 or not accepted:
-        return Finding.from_error(
-            "drafter-live",
-            errors.SpecDecodeNotEngaged(
-                f"the drafter proposed {drafts:g} drafts and {accepted or 0:g} tokens were accepted",
-                hint="check the drafter loaded (server log) and that requests decode long enough",
-            ),
-            **figures,
-        )
-    rates = ", ".join(f"pos {k}: {v:.2f}" for k, v in acceptance.items())
-    return Finding.passed("drafter-live", f"{drafts:g} drafts, {accepted:g} accepted tokens ({rates})", **figures)
-
-
 def all_gates(history: History, grading: Grading, probes: Sequence[str] = ("multiturn",)) -> list[Finding]:
+    """The gates every probe shares, then each named probe's trigger proof."""
     found = [endpoints(history), logprobs(history), counters(history), cache_live(history)]
-    if "multiturn" in probes:
-        found += [trigger(history, grading), drafter_live(history)]
-    if "cold-race" in probes:
-        found += [
-            race.fragmentation(history, history.races, history.race_window, history.step_budget),
-            race.liveness(history),
-        ]
+    for probe in selected(probes):
+        found += probe.gates(history, grading)
     return found

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from blackbox.metrics import MetricsDelta
+from blackbox.server_info import ServerInfo
 
-if TYPE_CHECKING:
-    from blackbox.race import RaceRound
-    from blackbox.server_info import ServerInfo
-
-__all__ = ["Arm", "Exchange", "History", "Kind", "Plan", "TokenLogprob"]
+__all__ = ["Arm", "Exchange", "History", "Kind", "Plan", "RaceRound", "TokenLogprob"]
 
 
 class Arm:
@@ -67,6 +64,17 @@ class Plan:
     probe_messages: tuple[Mapping[str, str], ...]
     turn1_prompt_tokens: int
     turn1_max_tokens: int
+
+
+@dataclass(frozen=True)
+class RaceRound:
+    """One round of the cold-race probe as it was sent."""
+
+    index: int
+    blocks: float
+    prompt_tokens: int
+    racers: int
+    followups: int
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,8 @@ class History:
     treatment_info: ServerInfo | None = None  # its vLLM release and cache settings, for the trigger's hint
     # Conversations the reference alone ran, beyond the treatment's: a larger yardstick (see RunConfig).
     yardstick: tuple[Plan, ...] = ()
+    # What a probe without fields of its own recorded (probe name -> its JSON data, probes/<name>.json).
+    extras: Mapping[str, Any] = field(default_factory=dict)
 
     def plans_of(self, arm: str) -> tuple[Plan, ...]:
         """The conversations `arm` ran: the reference runs the yardstick's extra ones too."""

@@ -26,8 +26,9 @@ from typing import Any
 import httpx
 import pytest
 
+from blackbox import probes
 from blackbox.cli import execute
-from blackbox.config import PROBES, RunConfig
+from blackbox.config import RunConfig
 from blackbox.engine import RunResult
 from blackbox.errors import BlackboxError
 from blackbox.report import summary
@@ -64,8 +65,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--blackbox-probe",
         action="append",
-        choices=PROBES,
-        help="one test item per probe; repeat for several (default multiturn) [BLACKBOX_PROBES=a,b]",
+        choices=[*probes.PROBES, probes.ALL],
+        help=f"one test item per probe; repeat for several, {probes.ALL} for every one (default multiturn) "
+        "[BLACKBOX_PROBES=a,b]",
     )
     group.addoption(
         "--blackbox-max-num-batched-tokens",
@@ -81,13 +83,16 @@ def _setting(config: pytest.Config, name: str) -> Any:
 def _probes(config: pytest.Config) -> list[str]:
     value = _setting(config, "probe")
     names = value if isinstance(value, list) else [p.strip() for p in (value or "multiturn").split(",")]
-    return list(dict.fromkeys(p for p in names if p))
+    try:
+        return list(probes.expand(p for p in names if p))
+    except BlackboxError as exc:
+        raise pytest.UsageError(f"blackbox: {exc} [{ENV['probe']}]") from exc
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "blackbox_probe" in metafunc.fixturenames:
-        probes = _probes(metafunc.config)
-        metafunc.parametrize("blackbox_probe", probes, ids=probes)
+        names = _probes(metafunc.config)
+        metafunc.parametrize("blackbox_probe", names, ids=names)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ runs/<run-id>/
   verdict.json          the verdict and every finding with its figures; written however the run ended
   traceback.txt         only when blackbox itself failed (InternalError): the traceback, kept off the terminal
   summary.txt           what the console printed
+  probes/<name>.json    what a probe recorded beyond its exchanges (History.extras), for probes that store it
   replay/<case>.sh      a curl per request of each conversation a grader flagged (no secrets)
   servers/              the server logs, when blackbox launched the servers
 
@@ -228,9 +229,8 @@ class _Reading:
 
 def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], History]:
     from blackbox.client import parse_chat
-    from blackbox.history import History, Plan
+    from blackbox.history import History, Plan, RaceRound
     from blackbox.metrics import MetricsDelta, MetricsSnapshot, from_compact, parse
-    from blackbox.race import RaceRound
     from blackbox.server_info import ServerInfo
 
     config = reading.json("config.json")
@@ -290,6 +290,7 @@ def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], His
     rounds = tuple(RaceRound(**r) for r in race["rounds"])
     servers = run_dir / "servers.json"
     info = json.loads(servers.read_text()).get("treatment") if servers.exists() else None
+    extras = {path.stem: reading.json(f"probes/{path.name}") for path in sorted((run_dir / "probes").glob("*.json"))}
     history = History(
         geometry["block_size"],
         tuple(plans("plans.json")),
@@ -300,6 +301,7 @@ def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], His
         race_window,
         ServerInfo.from_json(info) if info else None,
         tuple(plans("yardstick-plans.json")),
+        extras,
     )
     return config, history
 

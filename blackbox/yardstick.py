@@ -237,4 +237,3 @@ def _flag(d: Difference) -> str:
     if d.treatment in ("True", "False") and flag in _SWITCHES:
         return flag if d.treatment == "True" else f"--no-{flag[2:]}"
     return f"{flag} {d.treatment}"
-

@@ -32,13 +32,14 @@ from servers.vllm_plugin.faults import (
     draw,
     fault_events,
     fired_counts,
+    held_by_another,
     shifted_boundary_index,
     skipped_counts,
     substitute_mamba_hit,
 )
 
 BS = 128
-KNOWN = ("eagle-overrun", "chunk-end-as-boundary", "stale-checkpoint")
+KNOWN = ("eagle-overrun", "chunk-end-as-boundary", "stale-checkpoint", "concurrent-resume")
 # (module, attribute owner path, attribute) of everything a fault may patch.
 TARGETS = (
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "get_computed_blocks"),
@@ -128,6 +129,7 @@ def test_unknown_fault_fails_start_up_naming_the_known_ones(
     [
         ("eagle-overrun", ["get_computed_blocks"]),
         ("stale-checkpoint", ["get_computed_blocks"]),
+        ("concurrent-resume", ["get_computed_blocks"]),
         ("chunk-end-as-boundary", ["preprocess_mamba", "postprocess_mamba_align_gpu"]),
     ],
 )
@@ -394,6 +396,36 @@ def test_real_manager_fault_stays_silent_without_a_shifted_checkpoint(
         blocks, hit, _ = cache.manager.get_computed_blocks(cache.request)
     assert blocks.blocks[0][-1] is cache.mamba[hit]
     assert fired_counts(caplog.text) == {}
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["resumes-alone", "prefix-held-by-a-running-request"])
+def test_concurrent_resume_fires_only_where_another_running_request_holds_the_hit(
+    monkeypatch: pytest.MonkeyPatch, restore_targets: None, caplog: pytest.LogCaptureFixture, held: bool
+) -> None:
+    _install(monkeypatch, "concurrent-resume")
+    cache = _real_cache((128, 384, 512, 640))
+    blocks, hit, _ = cache.manager.get_computed_blocks(cache.request)  # alone: exact
+    assert (hit, blocks.blocks[0][-1]) == (512, cache.mamba[512])
+    if held:
+        cache.manager.block_pool.touch([blocks.blocks[1][-1]])  # a running request takes the attention block
+    cache.request.request_id = "turn-2-again"
+    with caplog.at_level(logging.WARNING, logger="vllm.blackbox"):
+        blocks, hit, _ = cache.manager.get_computed_blocks(cache.request)
+    assert hit == 512
+    assert blocks.blocks[0][-1] is cache.mamba[384 if held else 512]
+    assert fired_counts(caplog.text) == ({"concurrent-resume": 1} if held else {})
+
+
+def test_held_by_another_reads_the_last_block_of_each_group() -> None:
+    @dataclass
+    class B:
+        ref_cnt: int = 0
+        is_null: bool = False
+
+    assert not held_by_another([[B(1), B(0)], [B(0)]], 256)  # an earlier block held: not the hit's end
+    assert held_by_another([[B(0)], [B(0), B(2)]], 256)
+    assert not held_by_another([[B(5, is_null=True)]], 128)
+    assert not held_by_another([[B(1)]], 0)
 
 
 # --- chunk-end-as-boundary -----------------------------------------------------------------------------

@@ -13,13 +13,13 @@ from typing import Any, cast
 
 import pytest
 
-from blackbox import errors, gates, graders, metrics, race, stats
+from blackbox import errors, gates, graders, metrics, stats
 from blackbox.client import Endpoint
 from blackbox.compare import deviation
 from blackbox.config import Grading
-from blackbox.history import Arm, Exchange, History, Kind, TokenLogprob
+from blackbox.history import Arm, Exchange, History, Kind, RaceRound, TokenLogprob
 from blackbox.metrics import MetricsDelta
-from blackbox.race import RaceRound
+from blackbox.probes import cold_race as race
 from blackbox.verdict import Finding, Status, merge
 
 import histories as h

@@ -22,6 +22,10 @@ the way it did in the field (lost or doubled context), through the model itself.
   ends mid-block), as the real bug did: "a single request is accidentally safe", its low slots are null.
 - ``stale-checkpoint``: a hit restores the checkpoint of the block before the one it matched (the state
   of L - block_size handed over for a hit of length L): a block of context is lost.
+- ``concurrent-resume`` (the A3 family; #53919, #51571: a request handed state that belongs to another one in
+  flight, seen only with several running requests): ``stale-checkpoint``, but only for a hit whose last block
+  another running request holds at lookup (its reference count is above 0 before this request takes it), so
+  only requests that resume from one cached prefix at the same time are wrong; one that resumes alone is exact.
 
 The hit faults fire only where vLLM cached a Mamba checkpoint at the shifted boundary. In align mode a
 prefill materializes one checkpoint per chunk and decode one per boundary it crosses (some are missing),
@@ -96,6 +100,7 @@ __all__ = [
     "draw",
     "fault_events",
     "fired_counts",
+    "held_by_another",
     "install",
     "selected_fault",
     "shifted_boundary_index",
@@ -450,7 +455,19 @@ def _shift_candidates(manager: Any, request: Any, result: Any, shift_blocks: int
     return swaps
 
 
-def _install_hit_shift(counter: FaultCounter, gate: SporadicGate, shift_blocks: int, require_eagle: bool) -> None:
+def held_by_another(blocks_by_group: Sequence[Sequence[Any]], hit_length: int) -> bool:
+    """Whether a running request holds the last block of a hit: the lookup takes no reference itself, so a
+    count above 0 is another request's (a finished one leaves its blocks cached at 0)."""
+    return hit_length > 0 and any(b and not b[-1].is_null and b[-1].ref_cnt > 0 for b in blocks_by_group)
+
+
+def _install_hit_shift(
+    counter: FaultCounter,
+    gate: SporadicGate,
+    shift_blocks: int,
+    require_eagle: bool,
+    shared_only: bool = False,
+) -> None:
     module = importlib.import_module(_MANAGER_MODULE)
     cls = module.KVCacheManager
 
@@ -458,6 +475,8 @@ def _install_hit_shift(counter: FaultCounter, gate: SporadicGate, shift_blocks: 
         @functools.wraps(original)
         def get_computed_blocks(self: Any, request: Any) -> Any:
             result = original(self, request)
+            if shared_only and not held_by_another(result[0].blocks, result[1]):
+                return result
             swaps = _shift_candidates(self, request, result, shift_blocks, require_eagle)
             if swaps:
                 # The request resumes from the block at the hit length: that block is the one poisoned.
@@ -485,6 +504,11 @@ def _install_eagle_overrun(counter: FaultCounter, gate: SporadicGate) -> None:
 def _install_stale_checkpoint(counter: FaultCounter, gate: SporadicGate) -> None:
     """The Mamba hit is the checkpoint one block before the matched one."""
     _install_hit_shift(counter, gate, shift_blocks=-1, require_eagle=False)
+
+
+def _install_concurrent_resume(counter: FaultCounter, gate: SporadicGate) -> None:
+    """The Mamba hit is the checkpoint one block before, where another running request holds the hit."""
+    _install_hit_shift(counter, gate, shift_blocks=-1, require_eagle=False, shared_only=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -627,6 +651,11 @@ FAULTS: dict[str, Fault] = {
             _install_chunk_end_as_boundary,
         ),
         Fault("stale-checkpoint", "hit restores the checkpoint one block before", _install_stale_checkpoint),
+        Fault(
+            "concurrent-resume",
+            "A3 family: a hit on a prefix another running request holds restores the checkpoint one block before",
+            _install_concurrent_resume,
+        ),
     )
 }
 

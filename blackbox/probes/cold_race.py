@@ -26,20 +26,24 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from blackbox import errors
 from blackbox.client import Endpoint
 from blackbox.compare import deviation
+from blackbox.config import Grading, RaceSettings
 from blackbox.evidence import Sample, judge_samples
-from blackbox.history import Arm, Exchange, History, TokenLogprob
+from blackbox.history import Arm, Exchange, History, RaceRound, TokenLogprob
 from blackbox.metrics import MetricsDelta
+from blackbox.probes.base import DriveContext, Driven, Grader, Probe, Record, compared_positions, settle, with_positions
 from blackbox.verdict import Finding
 from blackbox.vocabulary import FILLER, NAMES
 from blackbox.workload import Shape, plan_conversation, question_for
 
 __all__ = [
+    "COLD_RACE",
+    "ColdRace",
     "RaceRound",
     "RaceSettings",
     "deviation",
@@ -55,25 +59,6 @@ __all__ = [
 
 LIVENESS = 10_000  # conversation id of the liveness pair
 FIRST_ROUND = 1_000  # conversation ids of race rounds start here
-
-
-@dataclass(frozen=True)
-class RaceSettings:
-    racers: int = 8
-    rounds_per_size: int = 3
-    sizes: tuple[float, ...] = (1.5, 2.5)  # prompt length in blocks
-    followups: int = 4
-    max_tokens: int = 32  # of each follow-up; racers decode past the block their prompt ends in
-    top_logprobs: int = 5
-
-
-@dataclass(frozen=True)
-class RaceRound:
-    index: int
-    blocks: float
-    prompt_tokens: int
-    racers: int
-    followups: int
 
 
 def _body(messages: Sequence[Mapping[str, str]], settings: RaceSettings, salt: str) -> dict[str, object]:
@@ -107,7 +92,7 @@ async def drive(
     block_size: int,
     max_model_len: int,
     salt: str,
-    record: Callable[[Exchange], Exchange],
+    record: Record,
 ) -> list[RaceRound]:
     rounds: list[RaceRound] = []
     index = FIRST_ROUND
@@ -262,7 +247,7 @@ async def send_liveness(
     block_size: int,
     max_model_len: int,
     salt: str,
-    record: Callable[[Exchange], Exchange],
+    record: Record,
 ) -> None:
     plan = await plan_conversation(
         LIVENESS,
@@ -374,3 +359,47 @@ def liveness(history: History) -> Finding:
             cached_tokens=cached,
         )
     return Finding.passed("race-liveness", f"a 3+ block prompt sent twice hit {cached} tokens", cached_tokens=cached)
+
+
+def _grade(history: History, grading: Grading, alpha: float) -> Finding:
+    n = compared_positions(history, grading)
+    return with_positions(n, race_divergence(history, history.races, alpha, grading.hard_margin, n))
+
+
+class ColdRace(Probe):
+    name = "cold-race"
+    about = "concurrent cold prefills under a small step budget (A1)"
+
+    async def drive(self, ctx: DriveContext) -> Driven:
+        """The race rounds between two settled snapshots (the window proves fragmentation), then the liveness
+        pair."""
+        config, treatment, geo = ctx.config, ctx.treatment, ctx.geometry
+        ctx.progress(0, 0, "cold race")
+        found: list[Exchange] = []
+
+        def keep(e: Exchange) -> Exchange:
+            found.append(ctx.record(e))
+            return found[-1]
+
+        before = await settle(treatment, config.settle_s)
+        rounds = await drive(treatment, config.race, config.seed, geo.block_size, geo.max_model_len, ctx.salt, keep)
+        window = MetricsDelta(before, await settle(treatment, config.settle_s))
+        ctx.store.write_text("metrics/race-window/before.prom", window.before.text)
+        ctx.store.write_text("metrics/race-window/after.prom", window.after.text)
+        await send_liveness(treatment, config.seed, geo.block_size, geo.max_model_len, ctx.salt, keep)
+        ctx.store.write_json(
+            "race.json", {"budget": config.max_num_batched_tokens, "rounds": [r.__dict__ for r in rounds]}
+        )
+        return Driven(exchanges=tuple(found), races=tuple(rounds), race_window=window)
+
+    def gates(self, history: History, grading: Grading) -> list[Finding]:
+        return [fragmentation(history, history.races, history.race_window, history.step_budget), liveness(history)]
+
+    def graders(self, grading: Grading) -> list[Grader]:
+        return [Grader("race-divergence", _grade, covers_trigger=True)]
+
+    def required(self, grading: Grading) -> frozenset[str]:
+        return frozenset({"race-divergence"})  # its only grader: without evidence the run is UNKNOWN
+
+
+COLD_RACE = ColdRace()

@@ -1,0 +1,299 @@
+"""The held-prefix probe (A->B->A): one cached prefix, written during decode, resumed from again and again.
+
+A checkpoint that is wrong once is inherited by every request that resumes from it (the users' A->B->A probe,
+vLLM #49127; the held-prefix protocol of club-3090 #710: hold one prefix, poison it, re-probe it). The multi-turn
+probe resumes from each decode-written block once, so it cannot tell a poisoned block from a sound one restored
+wrong, and it never resumes from one prefix with several requests in flight.
+
+Plans (seeded by run seed and prefix index, documents as the multi-turn probe's): prefix A is turn 1 of a
+conversation, its answer forced on for several blocks past its prompt, so the blocks past the prompt are written
+while the drafter speculates. Then `RESUMES` other requests B1..Bn, sent together, each re-send A and its answer and
+ask a different question (different continuations of one held prefix); then A's own follow-up, alone. Each of
+these resumes is sent again with a fresh cache_salt (recomputation, no reuse possible). The reference (the
+treatment's flags without speculative decoding) runs the same plans, and `--reference-ratio` times as many.
+
+Trigger proof (`held-trigger`): for enough prefixes, at least two resumes hit past A's prompt (their cached_tokens
+reach the decode-written region) at the same length: the same block was re-hit.
+
+Grader (`held-prefix`): the statistics every grader shares (`evidence.judge_samples`), one sample per re-hit
+block: the largest deviation from recomputation over that block's resumes, against the same on the reference. Its
+resumes share one restored state, so they are not independent draws; the block is. A FAIL also says what it saw:
+where every resume of a block deviated beyond the reference, the block behaves as poisoned (a wrong state stored,
+or a restore that is wrong every time: from outside the two are one); where only some did, the fault is transient
+(the block is sound, some restores of it are not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from blackbox import errors
+from blackbox.client import gather_bounded
+from blackbox.compare import deviation
+from blackbox.config import Grading
+from blackbox.evidence import Sample, judge_samples
+from blackbox.history import Arm, Exchange, History, Plan
+from blackbox.probes.base import (
+    DriveContext,
+    Driven,
+    Grader,
+    Probe,
+    compared_positions,
+    not_used,
+    with_positions,
+)
+from blackbox.verdict import Finding
+from blackbox.vocabulary import NAMES
+from blackbox.workload import plan_conversation, question_for, turn1_body, turn2_body, turn2_messages
+
+__all__ = ["FIRST", "HELD_PREFIX", "RESUMES", "HeldPrefix", "blocks", "held_prefixes", "shape_of", "trigger"]
+
+FIRST = 20_000  # conversation id of the first held prefix (apart from the other probes' documents)
+RESUMES = 3  # other requests B1..Bn per prefix; A's own follow-up is one more resume
+ANSWER_TOKENS = 8  # of each resume: more than the positions compared (2 + speculative tokens)
+TURN1 = "held-a"
+FOLLOW = "held-a2"  # A's own follow-up, after the others
+
+
+def resume_kinds(resumes: int = RESUMES) -> tuple[str, ...]:
+    return (*(f"held-b{j}" for j in range(resumes)), FOLLOW)
+
+
+def held_prefixes(conversations: int) -> int:
+    """How many prefixes a run holds: each costs 2 + 2 * (RESUMES + 1) requests on each arm, about twice what a
+    multi-turn conversation does, so half as many as --conversations (at least 4)."""
+    return max(4, conversations // 2)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One re-hit block: a prefix and the cached length its resumes reached, with each resume's deviation."""
+
+    prefix: int
+    cached: int
+    deviations: tuple[tuple[str, float, bool], ...]  # (request kind, deviation, not bit-identical)
+
+
+def _fresh(kind: str) -> str:
+    return f"{kind}-fresh"
+
+
+class HeldPrefix(Probe):
+    name = "held-prefix"
+    about = "one decode-written prefix resumed by several requests, then by its own follow-up (A->B->A)"
+
+    async def drive(self, ctx: DriveContext) -> Driven:
+        config = ctx.config
+        held = held_prefixes(config.conversations)
+        reference = Arm.REFERENCE in ctx.endpoints
+        total = held * (config.reference_ratio if reference else 1)
+        geo = ctx.geometry
+        ctx.progress(0, total, "held prefixes")
+        count = ctx.treatment.count_tokens
+        plans: list[Plan] = await gather_bounded(
+            config.concurrency * 2,
+            *(
+                plan_conversation(FIRST + i, config.seed, config.shape, geo.block_size, geo.max_model_len, count)
+                for i in range(total)
+            ),
+        )
+
+        async def one(plan: Plan) -> list[Exchange]:
+            arms = [Arm.REFERENCE] if plan.index - FIRST >= held else [Arm.TREATMENT, *([Arm.REFERENCE] * reference)]
+            chains = await asyncio.gather(*(_hold(ctx, arm, plan) for arm in arms))
+            return [e for chain in chains for e in chain]
+
+        order = sorted(plans, key=lambda p: ((p.index - FIRST) % held, p.index))
+        found = await gather_bounded(config.concurrency, *(one(p) for p in order))
+        summary = [{"index": p.index, "prompt_tokens": p.turn1_prompt_tokens} for p in plans]
+        data = {"held": summary[:held], "yardstick": summary[held:], "resumes": RESUMES}
+        return Driven(exchanges=tuple(e for chain in found for e in chain), data=data)
+
+    def gates(self, history: History, grading: Grading) -> list[Finding]:
+        return [trigger(history, grading)]
+
+    def graders(self, grading: Grading) -> list[Grader]:
+        return [Grader("held-prefix", grade, covers_trigger=True)]
+
+    def required(self, grading: Grading) -> frozenset[str]:
+        return frozenset({"held-prefix"})  # its only grader: without evidence the run is UNKNOWN
+
+
+async def _hold(ctx: DriveContext, arm: str, plan: Plan) -> list[Exchange]:
+    """A, then B1..Bn together, then A's follow-up alone; then each resume's recomputation."""
+    shape, salt, conv = ctx.config.shape, ctx.salt, plan.index
+    endpoint = ctx.endpoints[arm]
+    tokens = max(ANSWER_TOKENS, ctx.config.grading.compare_tokens or 0)
+
+    async def ask(kind: str, body: dict[str, object]) -> Exchange:
+        return ctx.record(await endpoint.chat(body, conversation=conv, kind=kind))
+
+    def body(messages: Sequence[Mapping[str, str]], cache_salt: str) -> dict[str, object]:
+        return {**turn2_body(tuple(messages), shape, salt=cache_salt), "max_tokens": tokens}
+
+    a = await ask(TURN1, {**turn1_body(plan, shape), "cache_salt": salt})
+    if not a.ok:
+        return [a]
+    rng = random.Random(f"blackbox-held:{ctx.config.seed}:{conv}")
+    others = [question_for(name) for name in rng.sample(NAMES, RESUMES)]
+    held = turn2_messages(plan, a.text)[:-1]  # A and its answer: the prefix every resume re-sends
+    messages = {
+        **{f"held-b{j}": (*held, {"role": "user", "content": q}) for j, q in enumerate(others)},
+        FOLLOW: turn2_messages(plan, a.text),
+    }
+    kinds = resume_kinds()
+    resumed = list(await asyncio.gather(*(ask(k, body(messages[k], salt)) for k in kinds[:-1])))
+    resumed.append(await ask(FOLLOW, body(messages[FOLLOW], salt)))
+    fresh = [await ask(_fresh(k), body(messages[k], f"{salt}-{conv}-{k}-fresh")) for k in kinds]
+    return [a, *resumed, *fresh]
+
+
+def _prefixes(history: History, arm: str) -> dict[int, int]:
+    """Prefix index -> A's turn-1 prompt tokens, for the prefixes `arm` held."""
+    data = history.extras.get(HeldPrefix.name) or {}
+    rows = list(data.get("held", ())) + (list(data.get("yardstick", ())) if arm == Arm.REFERENCE else [])
+    return {int(r["index"]): int(r["prompt_tokens"]) for r in rows}
+
+
+def _resumes(history: History) -> tuple[str, ...]:
+    data = history.extras.get(HeldPrefix.name) or {}
+    return resume_kinds(int(data.get("resumes", RESUMES)))
+
+
+def blocks(history: History, arm: str, hard_margin: float, tokens: int | None = None) -> list[Block]:
+    """Each block of `arm` that resumes re-hit in A's decode-written region, with every such resume's deviation
+    from its recomputation over the first `tokens` answer positions. Answers without logprobs are left out."""
+    out: list[Block] = []
+    for prefix, prompt in _prefixes(history, arm).items():
+        by_length: dict[int, list[tuple[str, float, bool]]] = defaultdict(list)
+        for kind in _resumes(history):
+            e, fresh = history.get(prefix, arm, kind), history.get(prefix, arm, _fresh(kind))
+            if e is None or fresh is None or not (e.ok and fresh.ok and e.tokens and fresh.tokens):
+                continue
+            if (e.cached_tokens or 0) > prompt:
+                mine, theirs = e.tokens[:tokens], fresh.tokens[:tokens]
+                by_length[e.cached_tokens or 0].append((kind, deviation(mine, theirs, hard_margin), mine != theirs))
+        out += [Block(prefix, cached, tuple(devs)) for cached, devs in sorted(by_length.items()) if len(devs) >= 2]
+    return out
+
+
+def trigger(history: History, grading: Grading) -> Finding:
+    prefixes = _prefixes(history, Arm.TREATMENT)
+    resumes = [history.get(p, Arm.TREATMENT, k) for p in prefixes for k in _resumes(history)]
+    reported = [e for e in resumes if e is not None and e.ok and e.cached_tokens is not None]
+    held = {b.prefix for b in blocks(history, Arm.TREATMENT, math.inf)}
+    need = max(1, math.ceil(grading.min_trigger_fraction * len(prefixes)))
+    figures: dict[str, Any] = {
+        "prefixes": len(prefixes),
+        "re_hit_prefixes": len(held),
+        "needed": need,
+        "cached_tokens": {
+            p: [e.cached_tokens if e else None for e in (history.get(p, Arm.TREATMENT, k) for k in _resumes(history))]
+            for p in prefixes
+        },
+        "turn1_prompt_tokens": prefixes,
+    }
+    if prefixes and not reported:
+        return Finding.from_error(
+            "held-trigger",
+            errors.TriggerNotExercised(
+                "the treatment reported no usage.prompt_tokens_details.cached_tokens",
+                hint="start the treatment with --enable-prompt-tokens-details",
+            ),
+            **figures,
+        )
+    if len(held) < need:
+        return Finding.from_error(
+            "held-trigger",
+            errors.TriggerNotExercised(
+                f"only {len(held)} of {len(prefixes)} held prefixes had two or more resumes hit one block written "
+                f"during decode (need {need}); a hit must end past A's prompt",
+                hint="keep decode-written checkpoints (--prefix-cache-retention-interval None on vLLM >= 0.29), "
+                "check --block-size, or raise --answer-blocks",
+            ),
+            **figures,
+        )
+    return Finding.passed(
+        "held-trigger",
+        f"{len(held)} of {len(prefixes)} held prefixes were re-hit in their decode-written blocks",
+        **figures,
+    )
+
+
+def _sample(block: Block) -> Sample:
+    worst = max(block.deviations, key=lambda d: d[1])
+    return Sample(block.prefix, worst[0], worst[1], any(d[2] for d in block.deviations))
+
+
+def shape_of(subject: Sequence[Block], yardstick: Sequence[Block]) -> dict[str, Any]:
+    """Per treatment block, how many of its resumes deviated beyond anything the reference's blocks showed (any
+    difference where the reference is exact): all of them reads as a poisoned block, some as a transient fault."""
+    exact = not any(d[2] for b in yardstick for d in b.deviations)
+    largest = max((d[1] for b in yardstick for d in b.deviations), default=0.0)
+
+    def deviates(d: tuple[str, float, bool]) -> bool:
+        return d[2] if exact else d[1] > largest or d[1] == math.inf
+
+    counts = {f"{b.prefix}@{b.cached}": (sum(map(deviates, b.deviations)), len(b.deviations)) for b in subject}
+    poisoned = sorted(k for k, (bad, n) in counts.items() if bad == n)
+    transient = sorted(k for k, (bad, n) in counts.items() if 0 < bad < n)
+    seen = "poisoned" if poisoned and not transient else "transient" if transient and not poisoned else None
+    if poisoned and transient:
+        seen = "both"
+    return {
+        "deviating_resumes": {k: f"{bad}/{n}" for k, (bad, n) in counts.items()},
+        "poisoned_blocks": poisoned,
+        "transient_blocks": transient,
+        "seen": seen,
+    }
+
+
+def _said(shape: Mapping[str, Any]) -> str:
+    poisoned, transient = len(shape["poisoned_blocks"]), len(shape["transient_blocks"])
+    parts = []
+    if poisoned:
+        parts.append(f"every resume of {poisoned} block(s) deviated: a poisoned block")
+    if transient:
+        parts.append(f"only some resumes of {transient} block(s) deviated: a transient fault")
+    return "; ".join(parts)
+
+
+def grade(history: History, grading: Grading, alpha: float) -> Finding:
+    if Arm.REFERENCE not in history.arms():
+        return not_used(
+            "held-prefix",
+            "needs a reference server (the treatment's flags without speculative decoding): without one this run "
+            "cannot measure how far a correct engine's re-hit blocks deviate from recomputation",
+        )
+    n = compared_positions(history, grading)
+    t = blocks(history, Arm.TREATMENT, grading.hard_margin, n)
+    r = blocks(history, Arm.REFERENCE, grading.hard_margin, n)
+    if not t or not r:
+        return not_used(
+            "held-prefix", f"no re-hit decode-region blocks to compare (treatment {len(t)}, reference {len(r)})"
+        )
+    worst = sorted(t, key=lambda b: -_sample(b).deviation)[:5]
+    finding = judge_samples(
+        "held-prefix",
+        [_sample(b) for b in t],
+        [_sample(b) for b in r],
+        alpha=alpha,
+        what="treatment held-prefix blocks (each its resumes' largest deviation)",
+        against="the reference's",
+        runs=len(_prefixes(history, Arm.TREATMENT)),
+        hint=f"replay held prefixes {[b.prefix for b in worst]} (the largest deviations) from the run folder's replay/",
+        run_unit="held prefixes",
+    )
+    shape = shape_of(t, r)
+    if finding.error_class == "CorruptionDetected" and (said := _said(shape)):
+        finding = replace(finding, reason=f"{finding.reason}; {said}")
+    return with_positions(n, replace(finding, figures={**finding.figures, **shape}))
+
+
+HELD_PREFIX = HeldPrefix()

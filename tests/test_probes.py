@@ -1,0 +1,100 @@
+"""The probe registry and the shape of the package: every probe behind one interface, no import circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from blackbox import config, probes
+from blackbox.errors import UsageError
+from blackbox.probes.base import Probe
+
+PACKAGE = Path(__file__).resolve().parent.parent / "blackbox"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, every import counted (under TYPE_CHECKING and inside
+    functions too: a circle hidden there still ties the modules together)."""
+    modules = {_module(p): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+                found |= {f"{node.module}.{a.name}" for a in node.names}  # `from blackbox import gates`
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle, as the modules along it, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_package_has_no_import_circle() -> None:
+    graph = import_graph(PACKAGE)
+    assert "blackbox.probes.multiturn" in graph and "blackbox.engine" in graph
+    assert cycle(graph) is None, " -> ".join(cycle(graph) or [])
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_registry_and_the_config_name_the_same_probes() -> None:
+    assert tuple(probes.PROBES) == config.PROBES
+    for name, probe in probes.PROBES.items():
+        assert isinstance(probe, Probe) and probe.name == name and probe.about
+
+
+def test_probe_all_expands_to_every_probe_in_place_and_repeats_are_dropped() -> None:
+    assert probes.expand(["all"]) == tuple(probes.PROBES)
+    assert probes.expand(["cold-race", "all"])[0] == "cold-race"
+    assert probes.expand(["multiturn", "multiturn"]) == ("multiturn",)
+    with pytest.raises(UsageError, match="unknown probe 'nope'"):
+        probes.expand(["nope"])
+
+
+def test_selected_runs_in_registry_order() -> None:
+    assert [p.name for p in probes.selected(["cold-race", "multiturn"])] == ["multiturn", "cold-race"]
+
+
+def test_the_cli_takes_probe_all_and_repeats() -> None:
+    from blackbox import cli
+
+    def probes_of(*argv: str) -> tuple[str, ...]:
+        args = cli._parser().parse_args(["run", "--treatment", "http://t", *argv])
+        return cli._config(args, {"treatment": args.treatment, "control": None}, None).probes
+
+    assert probes_of() == ("multiturn",)
+    assert probes_of("--probe", "all") == tuple(probes.PROBES)
+    assert probes_of("--probe", "held-prefix", "--probe", "cold-race") == ("held-prefix", "cold-race")
