@@ -127,11 +127,19 @@ def _quiet(done: int, total: int, note: str) -> None:
     pass
 
 
+def _planned(config: RunConfig, endpoints: Mapping[str, Endpoint]) -> int:
+    """Conversations the run drives, the reference's yardstick extras included (none without multiturn)."""
+    if "multiturn" not in config.probes:
+        return 0
+    return config.conversations * (config.reference_ratio if Arm.REFERENCE in endpoints else 1)
+
+
 async def _drive(
     config: RunConfig, endpoints: Mapping[str, Endpoint], store: RunStore, progress: Progress
 ) -> tuple[History | None, geometry.Geometry, list[Finding]]:
     treatment = endpoints[Arm.TREATMENT]
-    progress(0, config.conversations, "checking servers")
+    total = _planned(config, endpoints)  # the one denominator of every progress line of the run
+    progress(0, total, "checking servers")
     for endpoint in endpoints.values():
         await endpoint.ready()
     before = {arm: await e.metrics() for arm, e in endpoints.items()}
@@ -167,10 +175,10 @@ async def _drive(
     rounds: list[race.RaceRound] = []
     race_window: MetricsDelta | None = None
     if "cold-race" in config.probes:
-        progress(0, 0, "cold race")
+        progress(len(plans) + len(yardstick), total, "cold race")
         rounds, found, race_window = await _cold_race(config, treatment, geo, salt, record, store)
         exchanges.extend(found)
-    progress(len(plans), len(plans), "waiting for counters to settle")
+    progress(len(plans) + len(yardstick), total, "waiting for counters to settle")
     after = {arm: await _settle(e, config.settle_s) for arm, e in endpoints.items()}
     for arm, snap in after.items():
         store.write_text(f"metrics/{arm}-after.prom", snap.text)
@@ -199,7 +207,7 @@ async def _multiturn(
     progress: Progress,
 ) -> tuple[list[Plan], list[Exchange]]:
     """Every arm runs conversations 0..n-1; the reference alone runs the yardstick's n..ratio*n-1 as well."""
-    total = config.conversations * (config.reference_ratio if Arm.REFERENCE in endpoints else 1)
+    total = _planned(config, endpoints)
     progress(0, total, f"sizing prompts (block {geo.block_size} tokens)")
     count = endpoints[Arm.TREATMENT].count_tokens
     plans = await gather_bounded(
@@ -215,7 +223,7 @@ async def _multiturn(
         nonlocal done
         out = await _conversation(config, endpoints, plan, salt, record)
         done += 1
-        progress(done, len(plans), f"conversation {plan.index} done")
+        progress(done, total, f"conversation {plan.index} done")
         return out
 
     # Interleaved (0, n, 2n, 1, n+1, ...) so the treatment is not left idle while the reference runs its extras.

@@ -133,7 +133,8 @@ class ProgressLine:
         if not self.tty and done not in (0, total) and now - self._last < self.every_s:
             return
         self._last = now
-        text = f"[{now - self._started:5.0f}s] {done}/{total} conversations · {note}"
+        count = f"{done}/{total} conversations · " if total else ""  # a cold-race-only run drives none
+        text = f"[{now - self._started:5.0f}s] {count}{note}"
         if self.tty:
             self.stream.write("\r\033[K" + text)
             if done == total and note.startswith("waiting"):
