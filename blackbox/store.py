@@ -234,6 +234,7 @@ def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], His
                 error=e["error"],
                 request=e["request"],
                 status_code=e["status_code"],
+                started_s=e.get("started_s"),  # absent in folders from before the report's timeline
                 **parsed,
             )
         )
