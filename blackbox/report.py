@@ -100,6 +100,8 @@ def summary(result: RunResult) -> str:
     lines.append("")
     lines.append(f"verdict: {v.status.value} — {v.reason}")
     lines.append(f"run folder: {result.store_path} ({result.elapsed_s:.0f} s); exit code {v.exit_code}")
+    if (result.store_path / "report.html").is_file():
+        lines.append(f"report: {result.store_path / 'report.html'}")
     return "\n".join(lines)
 
 
