@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from blackbox import errors, guard, inputs, probes
+from blackbox import errors, guard, html_report, inputs, probes
 from blackbox.config import GRADERS, Grading, RaceSettings, RunConfig
 from blackbox.engine import RunResult, rejudge, run
 from blackbox.report import ProgressLine, summary
@@ -124,9 +124,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--api-key-file", help="read the API key from this file instead (one line)")
     _common(r)
-    g = sub.add_parser("grade", help="re-judge a stored run folder offline (no servers needed)")
+    g = sub.add_parser("grade", help="re-judge a stored run folder offline (no servers needed); rewrites report.html")
     # No --alpha here: choosing the significance level after seeing the data would void it.
     g.add_argument("run_dir", type=Path)
+    rp = sub.add_parser(
+        "report", help="write report.html for stored run folders; several: also one page comparing them"
+    )
+    rp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    rp.add_argument(
+        "--out",
+        type=Path,
+        default=Path("blackbox-runs.html"),
+        help="the comparison page, when several folders are given (default blackbox-runs.html)",
+    )
     d = sub.add_parser("demo", help="build the tiny model, launch the CPU pair, run, print the verdict, stop")
     d.add_argument("--profile", default="cpu-tiny")
     d.add_argument("--no-reference", action="store_true", help="launch treatment and control only")
@@ -209,6 +219,7 @@ def execute(config: RunConfig, out: Path, command: Sequence[str], log_dir: Path 
         if log_dir is not None:
             store.copy_logs(log_dir)
         store.write_text("summary.txt", summary(result) + "\n")
+        html_report.write_quietly(store.path, redact)
         return result
     finally:
         store.close()
@@ -285,8 +296,30 @@ def _grade(args: argparse.Namespace) -> int:
             f"blackbox itself failed while grading: {type(exc).__name__}",
             hint=f"a bug in blackbox: the traceback is in {kept or 'no file (the folder is not writable)'}",
         ) from exc
+    html_report.write_quietly(args.run_dir, regraded=again.verdict)
     print(summary(RunResult(again.verdict, again.history, again.grades, args.run_dir, 0.0)))
     return again.verdict.exit_code
+
+
+def _report(args: argparse.Namespace) -> int:
+    for run_dir in args.run_dirs:
+        if not run_dir.is_dir() or not any((run_dir / f).is_file() for f in ("verdict.json", "config.json")):
+            raise errors.UsageError(
+                f"{run_dir} is not a blackbox run folder (no verdict.json or config.json)",
+                hint="pass folders under runs/ that a `blackbox run` wrote",
+            )
+    try:
+        if len(args.run_dirs) == 1:
+            print(html_report.write(args.run_dirs[0]))
+        else:
+            page = html_report.compare(args.run_dirs, args.out)
+            print("\n".join(str(d / html_report.REPORT) for d in args.run_dirs))
+            print(page)
+    except OSError as exc:
+        raise errors.StorageError(
+            f"cannot write the report: {exc.strerror or exc}", hint="check the folder's permissions (--out PATH)"
+        ) from exc
+    return 0
 
 
 class _Console:
@@ -314,7 +347,7 @@ def _internal(exc: Exception) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"run": _run, "demo": _demo, "grade": _grade}
+    commands = {"run": _run, "demo": _demo, "grade": _grade, "report": _report}
     _Console.redact = Redactor()
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm) if _main_thread() else None
     try:

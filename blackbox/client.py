@@ -164,7 +164,7 @@ class Endpoint:
         """POST /v1/chat/completions; transport faults and bad responses come back as an Exchange with error."""
         case_id = f"c{conversation:03d}-{self.arm}-{kind}"
         request = {"model": self.model, **body}
-        started = time.monotonic()
+        started, started_s = time.monotonic(), self.watch.since_start()
         status: int | None = None
         outcome: dict[str, Any]
         path = "/v1/chat/completions"
@@ -194,6 +194,7 @@ class Endpoint:
             elapsed_s=time.monotonic() - started,
             request=request,
             status_code=status,
+            started_s=started_s,
             **outcome,
         )
 

@@ -32,7 +32,7 @@ class RaceSettings:
 
 @dataclass(frozen=True)
 class Grading:
-    """Gate and grader settings. Defaults are the ones the README's figures were measured with."""
+    """Gate and grader settings. Defaults are the ones bench/results/ was measured with."""
 
     alpha: float = 0.01
     min_trigger_fraction: float = 0.5  # of conversations whose turn-2 hit must reach decode-written blocks

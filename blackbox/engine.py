@@ -135,10 +135,33 @@ def _quiet(done: int, total: int, note: str) -> None:
     pass
 
 
+def _sent(by_probe: Mapping[str, Driven]) -> int:
+    """Conversations of the multiturn probe driven so far (its plans and the reference's yardstick extras)."""
+    done = by_probe.get("multiturn")
+    return len(done.plans) + len(done.yardstick) if done else 0
+
+
+def _phase(progress: Progress, name: str, total: int, by_probe: Mapping[str, Driven]) -> Progress:
+    """A probe other than multiturn reports on the run's line without changing its denominator."""
+
+    def report(done: int, of: int, note: str) -> None:
+        progress(_sent(by_probe), total, f"{name}: {note}" + (f" ({done}/{of})" if of else ""))
+
+    return report
+
+
+def _planned(config: RunConfig, endpoints: Mapping[str, Endpoint]) -> int:
+    """Conversations the run drives, the reference's yardstick extras included (none without multiturn)."""
+    if "multiturn" not in config.probes:
+        return 0
+    return config.conversations * (config.reference_ratio if Arm.REFERENCE in endpoints else 1)
+
+
 async def _drive(
     config: RunConfig, endpoints: Mapping[str, Endpoint], store: RunStore, progress: Progress
 ) -> tuple[History | None, geometry.Geometry, list[Finding]]:
-    progress(0, config.conversations, "checking servers")
+    total = _planned(config, endpoints)  # the one denominator of every progress line of the run
+    progress(0, total, "checking servers")
     for endpoint in endpoints.values():
         await endpoint.ready()
     before = {arm: await e.metrics() for arm, e in endpoints.items()}
@@ -164,12 +187,14 @@ async def _drive(
     ctx = DriveContext(config, endpoints, geo, salt, record, progress, store)
     by_probe: dict[str, Driven] = {}
     for probe in probes.selected(config.probes):
-        by_probe[probe.name] = done = await probe.drive(ctx)
+        # The multiturn probe counts the run's conversations; the others are phases of the same line.
+        phase = progress if probe.name == "multiturn" else _phase(progress, probe.name, total, by_probe)
+        by_probe[probe.name] = done = await probe.drive(dataclasses.replace(ctx, progress=phase))
         if done.data is not None:
             store.write_json(f"probes/{probe.name}.json", done.data)
     driven = list(by_probe.values())
     plans = [p for d in driven for p in d.plans]
-    progress(len(plans), len(plans), "waiting for counters to settle")
+    progress(_sent(by_probe), total, "waiting for counters to settle")
     after = {arm: await settle(e, config.settle_s) for arm, e in endpoints.items()}
     for arm, snap in after.items():
         store.write_text(f"metrics/{arm}-after.prom", snap.text)

@@ -96,6 +96,7 @@ class Exchange:
     request: Mapping[str, Any] = field(default_factory=dict)
     response: Mapping[str, Any] | None = None
     status_code: int | None = None
+    started_s: float | None = None  # seconds from the run's start to the request's, for the report's timeline
 
     @property
     def ok(self) -> bool:
@@ -111,6 +112,7 @@ class Exchange:
             "error": self.error,
             "status_code": self.status_code,
             "elapsed_s": round(self.elapsed_s, 4),
+            "started_s": None if self.started_s is None else round(self.started_s, 4),
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,

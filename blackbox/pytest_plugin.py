@@ -129,6 +129,8 @@ class BlackboxOutcome:
             # The treatment alone: the control runs without prefix caching on purpose.
             lines.append(f"treatment {treatment.url} (vLLM {treatment.version or 'unknown'}): {hint}")
         lines.append(f"run folder: {run}")
+        if (run / "report.html").is_file():
+            lines.append(f"report: {run / 'report.html'}")
         replays = self.replays()
         lines += [f"replay: sh {p}" for p in replays[:_REPLAYS_SHOWN]]
         if len(replays) > _REPLAYS_SHOWN:
@@ -148,6 +150,8 @@ class BlackboxOutcome:
             ("blackbox_reason", v.reason),
             ("blackbox_run_folder", str(self.result.store_path)),
         ]
+        if (self.result.store_path / "report.html").is_file():
+            props.append(("blackbox_report", str(self.result.store_path / "report.html")))
         props += [("blackbox_evidence", e) for e in self.evidence()]
         props += [("blackbox_replay", f"sh {p}") for p in self.replays()[:_REPLAYS_SHOWN]]
         return props

@@ -100,6 +100,8 @@ def summary(result: RunResult) -> str:
     lines.append("")
     lines.append(f"verdict: {v.status.value} — {v.reason}")
     lines.append(f"run folder: {result.store_path} ({result.elapsed_s:.0f} s); exit code {v.exit_code}")
+    if (result.store_path / "report.html").is_file():
+        lines.append(f"report: {result.store_path / 'report.html'}")
     return "\n".join(lines)
 
 
@@ -133,7 +135,8 @@ class ProgressLine:
         if not self.tty and done not in (0, total) and now - self._last < self.every_s:
             return
         self._last = now
-        text = f"[{now - self._started:5.0f}s] {done}/{total} conversations · {note}"
+        count = f"{done}/{total} conversations · " if total else ""  # a cold-race-only run drives none
+        text = f"[{now - self._started:5.0f}s] {count}{note}"
         if self.tty:
             self.stream.write("\r\033[K" + text)
             if done == total and note.startswith("waiting"):

@@ -9,7 +9,9 @@ runs/<run-id>/
   retries.jsonl         every retried request: server, request, attempt, reason, wait
   verdict.json          the verdict and every finding with its figures; written however the run ended
   traceback.txt         only when blackbox itself failed (InternalError): the traceback, kept off the terminal
+                        (traceback-report.txt: report.html could not be written; the verdict stands)
   summary.txt           what the console printed
+  report.html           the same for a browser: verdict, evidence, figures, flagged conversations (html_report)
   probes/<name>.json    what a probe recorded beyond its exchanges (History.extras), for probes that store it
   replay/<case>.sh      a curl per request of each conversation a grader flagged (no secrets)
   servers/              the server logs, when blackbox launched the servers
@@ -259,6 +261,7 @@ def _load_history(run_dir: Path, reading: _Reading) -> tuple[dict[str, Any], His
                 error=e["error"],
                 request=e["request"],
                 status_code=e["status_code"],
+                started_s=e.get("started_s"),  # absent in folders from before the report's timeline
                 **parsed,
             )
         )

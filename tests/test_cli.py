@@ -65,7 +65,11 @@ def test_unreachable_endpoint_is_exit_4_with_a_stored_verdict(
     verdict = json.loads((run / "verdict.json").read_text())
     assert verdict["status"] == "ERROR" and verdict["error_class"] == "EndpointError"
     assert (run / "config.json").is_file() and (run / "command.txt").is_file()
-    assert "is the server up and the URL right?" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "is the server up and the URL right?" in out
+    # Every run ends with its report.html, whatever the verdict, and the console says where it is.
+    assert '<span id="verdict">ERROR</span>' in (run / "report.html").read_text()
+    assert f"report: {run / 'report.html'}" in out
 
 
 def test_api_key_never_reaches_the_run_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -120,6 +120,10 @@ def test_a_failure_report_has_class_evidence_run_folder_and_replay(tmp_path: Pat
     props = dict(result.properties())
     assert props["blackbox_status"] == "FAIL" and props["blackbox_exit_code"] == 1
     assert props["blackbox_run_folder"] == str(run)
+    assert "report:" not in report and "blackbox_report" not in props  # none written in this folder
+    (run / "report.html").write_text("<!DOCTYPE html>\n")
+    assert f"report: {run / 'report.html'}" in result.report()
+    assert dict(result.properties())["blackbox_report"] == str(run / "report.html")
 
 
 def test_a_trigger_not_exercised_report_names_the_flag_the_server_release_lacks(tmp_path: Path) -> None:

@@ -378,6 +378,9 @@ def test_the_reference_runs_the_yardstick_conversations_alone(
     turn2 = {arm: sorted(e["conversation"] for e in rows if e["arm"] == arm and e["kind"] == "turn2") for arm in
              ("treatment", "control", "reference")}  # fmt: skip
     assert turn2 == {"treatment": [0, 1, 2, 3], "control": [0, 1, 2, 3], "reference": list(range(12))}
+    # The progress line counts every conversation the run drives, the reference's extras too, from its first line.
+    denominators = re.findall(r"\] \d+/(\d+) conversations", outcome.err)
+    assert denominators and set(denominators) == {"12"}, outcome.err
     stored = json.loads((outcome.run_dir / "config.json").read_text())
     assert stored["reference_ratio"] == 3
     plans = json.loads((outcome.run_dir / "plans.json").read_text())

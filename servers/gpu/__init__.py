@@ -1,1 +1,1 @@
-"""Scripts for running blackbox on a lent GPU machine (see README "On a GPU")."""
+"""Scripts for running blackbox on a lent GPU machine (see docs/gpu.md)."""

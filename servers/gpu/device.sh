@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the lent GPU machine (see README "On a GPU"), from the root of the repo copy the device tool sends.
+# Runs on the lent GPU machine (see docs/gpu.md), from the root of the repo copy the device tool sends.
 # Everything it installs or writes lives under $W (/tmp/bbgpu), which survives between calls while the machine
 # stays warm; the carried folder .gpu/ does not, so `stash` copies it there first.
 #

@@ -26,7 +26,7 @@
 # Servers are started detached and live until the machine goes back, so later steps reuse them. Each one
 # gets a fixed KV cache (--kv-cache-memory-bytes) instead of a memory fraction: they start concurrently on one
 # GPU, and vLLM's memory profiling would count a neighbour's allocations as its own. (The launcher's own
-# one-GPU mode, fractions started one by one, is what a user runs; see README "On a GPU".)
+# one-GPU mode, fractions started one by one, is what a user runs; see docs/gpu.md.)
 set -uo pipefail
 W=${BBGPU_DIR:-/tmp/bbgpu}
 D="bash $W/bb/servers/gpu/device.sh"
