@@ -45,6 +45,10 @@ class Grading:
     # yardstick. None: 2 + k, k read from the treatment's /metrics (graders.compared_positions).
     compare_tokens: int | None = None
     graders: tuple[str, ...] = ()  # empty: auto
+    # Settings the yardstick gate could not check on the reference (a server without /server_info): set by
+    # `engine.judge` from the preflight, so a grader whose yardstick is bit-exact does not demand exactness of a
+    # treatment that may be scheduled otherwise (docs/comparability.md).
+    yardstick_assumed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,9 @@ def judge(history: History, config: RunConfig, preflight: Sequence[Finding] = ()
     if any(f.status is not Status.PASS for f in premises):
         grades = Grades((), (), (("all graders", "not run: a gate failed"),))
     else:
-        grades = grade(history, config.grading, config.probes)
+        assumed = next((f.figures.get("assumed_alike") or () for f in preflight if f.check == "yardstick"), ())
+        grading = dataclasses.replace(config.grading, yardstick_assumed=tuple(assumed))
+        grades = grade(history, grading, config.probes)
     return merge([*premises, *grades.findings]), grades
 
 

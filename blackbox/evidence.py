@@ -74,8 +74,26 @@ def judge_samples(
     runs: int,  # conversations (or rounds) the subject came from, to say how many more would do
     hint: str,
     run_unit: str = "conversations",
+    assumed: Sequence[str] = (),
 ) -> Finding:
+    """`assumed`: the yardstick's settings nobody could check (a reference without /server_info). Where the
+    yardstick is bit-exact, any difference would read as corruption, and a correct treatment with another step
+    budget differs from recomputation everywhere: so exactness is demanded only of a yardstick checked alike."""
     counted = "differs" if not any(s.differs for s in yardstick) else "hard"
+    if counted == "differs" and assumed and yardstick:
+        return Finding.from_error(
+            check,
+            errors.NoEvidence(
+                f"{against} {len(yardstick)} hits are bit-exact, so any difference of the treatment's would count, but "
+                f"{len(assumed)} settings that decide exactness were not published ({', '.join(assumed[:6])}"
+                f"{', ...' if len(assumed) > 6 else ''}): a correct treatment scheduled otherwise differs everywhere",
+                hint="start both servers with VLLM_SERVER_DEV_MODE=1 so blackbox can check their settings alike",
+            ),
+            n_subject=len(subject),
+            n_yardstick=len(yardstick),
+            alpha=alpha,
+            yardstick_assumed=list(assumed),
+        )
     counted_what = "differ from recomputation" if counted == "differs" else "flip a confident token"
     level = alpha / len(_TESTS)
     base: dict[str, Any] = {"n_subject": len(subject), "n_yardstick": len(yardstick), "alpha": alpha}

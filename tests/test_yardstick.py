@@ -12,7 +12,7 @@ import test_judge as tj
 
 from blackbox import yardstick
 from blackbox.engine import _with_yardstick, judge
-from blackbox.history import Arm
+from blackbox.history import Arm, History, Kind
 from blackbox.server_info import ServerInfo
 from blackbox.verdict import Finding, Status, merge
 
@@ -181,3 +181,34 @@ def test_the_recorded_treatment_with_the_issues_step_budget_is_refused() -> None
     found = yardstick.check(infos)
     assert found.error_class == "ConfigMismatch"
     assert [d["setting"] for d in found.figures["differs"]] == ["max_num_batched_tokens"]
+
+
+def _chunked_treatment() -> History:
+    """A correct treatment with another step budget: every prefill-region hit differs from recomputation a little,
+    while the reference's are bit-exact (issue 27's report: 33/33 vs 0/64)."""
+    clean = tj.run(hits=tj.NOISE, reference=True, recalls=False)
+    exchanges = tuple(
+        dataclasses.replace(e, tokens=tj.NOISE) if (e.arm, e.kind) == (Arm.TREATMENT, Kind.PROBE) else e
+        for e in clean.exchanges
+    )
+    return dataclasses.replace(clean, exchanges=exchanges)
+
+
+def test_a_bit_exact_yardstick_checked_alike_demands_exactness() -> None:
+    verdict, _ = judge(_chunked_treatment(), tj.CONFIG, [*tj.ROLES, yardstick.check(recorded())])
+    assert (verdict.status, verdict.error_class) == (Status.FAIL, "CorruptionDetected")
+    assert verdict.reason.startswith("exactness:")
+
+
+def test_a_bit_exact_yardstick_nobody_could_check_demands_nothing() -> None:
+    """Servers without /server_info: the reference may run another step budget, so its bit-exactness is no
+    yardstick; exactness is left out (said why), and logprob still judges the decode-written blocks."""
+    infos = {arm: ServerInfo(i.url, None, {}) for arm, i in recorded().items()}
+    gate = yardstick.check(infos)
+    assert gate.status is Status.PASS and "max_num_batched_tokens" in gate.figures["assumed_alike"]
+    verdict, grades = judge(_chunked_treatment(), tj.CONFIG, [*tj.ROLES, gate])
+    assert verdict.status is Status.PASS, verdict.reason
+    assert "exactness" not in grades.used and "logprob" in grades.used
+    why = dict(grades.not_used)["exactness"]
+    assert "bit-exact" in why and "were not published" in why and "max_num_batched_tokens" in why
+    assert "caveat: the reference is assumed to run like the treatment" in verdict.reason

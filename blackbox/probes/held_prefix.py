@@ -286,6 +286,7 @@ def grade(history: History, grading: Grading, alpha: float) -> Finding:
         alpha=alpha,
         what="treatment held-prefix blocks (each its resumes' largest deviation)",
         against="the reference's",
+        assumed=grading.yardstick_assumed,
         runs=len(_prefixes(history, Arm.TREATMENT)),
         hint=f"replay held prefixes {[b.prefix for b in worst]} (the largest deviations) from the run folder's replay/",
         run_unit="held prefixes",

@@ -211,6 +211,7 @@ def grade(history: History, grading: Grading, alpha: float) -> Finding:
             alpha=alpha,
             what="treatment sweep repeats (hits)",
             against="the reference's",
+            assumed=grading.yardstick_assumed,
             runs=len(_rows(history)),
             hint="replay the listed sweep prompts from the run folder's replay/",
             run_unit="sweep prompts",

@@ -234,6 +234,7 @@ def _versus_reference(history: History, grading: Grading, c: _Comparison, alpha:
             alpha=alpha,
             what=f"treatment {c.region} hits",
             against="the reference's",
+            assumed=grading.yardstick_assumed,
             runs=len(history.plans),
             hint=f"replay conversations {[s.unit for s in worst]} (the largest deviations) from the run folder's "
             "replay/",
