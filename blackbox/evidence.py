@@ -143,6 +143,17 @@ def judge_samples(
             ),
             **figures,
         )
+    room = _room(len(subject), yx, level)
+    if room is not None:
+        return Finding.from_error(
+            check,
+            errors.InsufficientPower(
+                f"{len(subject)} {what} could not have failed against {against} {len(yardstick)}: {room}",
+                hint="a correct engine's yardstick does not flip tokens it was sure of: check that it computes like "
+                "the treatment, or raise --hard-margin",
+            ),
+            **figures,
+        )
     smallest = min(t.p_value for t in tests)
     return Finding.passed(
         check,
@@ -150,6 +161,23 @@ def judge_samples(
         + power[0],
         **figures,
     )
+
+
+def _room(n_s: int, yx: Sequence[float], level: float) -> str | None:
+    """Why the realised yardstick leaves no room to fail, or None. The sizes can allow a FAIL while the values do
+    not: where the yardstick's RANKS largest deviations are confident flips every exceedance threshold is
+    infinite, and a subject deviating by anything short of a flip could not have been told apart. A PASS needs a
+    finite threshold whose critical count the subject could reach."""
+    top = sorted(yx, reverse=True)[:RANKS]
+    k = next((k for k, t in enumerate(top, 1) if t != math.inf), None)
+    if k is not None and stats.exceedance_critical(n_s, len(yx), level, k, RANKS) is not None:
+        return None
+    if k is None:
+        return (
+            f"their {len(top)} largest deviations are confident token flips, so nothing short of a flip could lie "
+            "beyond any threshold of the exceedance test"
+        )
+    return f"no count of them beyond its {stats.ordinal(k)} largest (the largest finite) reaches p < {level:.3g}"
 
 
 def _power(

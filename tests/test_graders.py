@@ -715,6 +715,23 @@ def test_a_yardstick_holding_a_confident_flip_states_power_by_the_count_test() -
     assert q is not None and 0 < q < 1
 
 
+def test_a_yardstick_whose_top_is_all_confident_flips_cannot_pass() -> None:
+    # Nine of 32 hits 0.9 nat off, against a reference whose largest four are confident token flips: every
+    # exceedance threshold is infinite, so nothing short of a flip could have been seen. The sizes allow a FAIL
+    # (9 beyond a finite top is one); the realised values do not, so this is no PASS (it was, with exit 0).
+    noise = [0.01 + 0.001 * i for i in range(32)]
+    treatment = [*noise[:23], *[0.9] * 9]
+    assert graders.logprob(logprob_history(treatment, noise), GRADING).error_class == "CorruptionDetected"
+    blind = graders.logprob(logprob_history(treatment, noise, hard_r=4), GRADING)
+    assert (blind.status, blind.error_class) == (Status.UNKNOWN, "InsufficientPower"), blind.reason
+    assert "their 4 largest deviations are confident token flips" in blind.reason
+    assert "--hard-margin" in blind.hint
+    named = graders.grade(logprob_history(treatment, noise, hard_r=4), Grading(graders=("logprob",)))
+    assert merge(named.findings).exit_code == 2
+    # Three flips leave the 4th largest finite: a threshold the treatment could pass, so a PASS may stand.
+    assert graders.logprob(logprob_history(treatment, noise, hard_r=3), GRADING).status is Status.PASS
+
+
 def test_a_grader_without_evidence_takes_no_share_of_alpha() -> None:
     # Eight recalled rows reach p = 1/256 < 0.01 but not < 0.01/3: exactness and logprob have no reference here,
     # so recall must be run at the whole alpha, not at a third of it.
