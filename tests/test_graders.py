@@ -181,21 +181,64 @@ def test_a_treatment_within_the_references_noise_passes() -> None:
     assert broken.figures["p_values"]["deviations beyond the yardstick"] < LEVEL
 
 
-def test_turn2_hits_in_the_prompt_region_are_exactness_samples_decode_region_ones_not() -> None:
+def turn2_pairs(arm: str, answers: Sequence[Answer], *, first: int = 0, cached: int = h.PROMPT_HIT) -> list[Exchange]:
+    """Turn-2 hits of `cached` tokens (by default stopped in the prompt region), each answer against CLEAN."""
+    return [
+        e
+        for i, a in enumerate(answers)
+        for e in h.resumed(first + i, arm, cached=cached, hit=probe_tokens(a), fresh=CLEAN)
+    ]
+
+
+def test_turn2_hits_in_the_prompt_region_are_graded_against_the_references_own() -> None:
     # A turn-2 hit that stopped inside the prompt (a decode checkpoint was missing) resumed from a prefill-written
-    # state like the probe: exactness judges it. A decode-region turn-2 hit belongs to logprob, however far off.
-    far = h.tokens(-0.9, -0.7, -0.3)
-    decode = [e for i in range(12) for e in h.resumed(i + 12, Arm.TREATMENT, hit=CLEAN, fresh=far)]
-    history = probe_history(EXACT, EXACT, *decode)
-    history = h.history([h.plan(i) for i in range(24)], history.exchanges)
+    # state like the probe: exactness judges it, against the reference's turn-2 hits that stopped there too. A
+    # decode-region turn-2 hit belongs to logprob, however far off.
+    decode = turn2_pairs(Arm.TREATMENT, BROKEN, first=12, cached=h.DECODE_HIT)
+    history = h.history([h.plan(i) for i in range(24)], probe_history(EXACT, EXACT, *decode).exchanges)
     finding = graders.exactness(history, GRADING)
     assert finding.status is Status.PASS, finding.reason
-    assert finding.figures["n_subject"] == 12
-    prompt = [e for i in range(12) for e in h.resumed(i, Arm.TREATMENT, cached=h.PROMPT_HIT, hit=CLEAN, fresh=far)]
-    history = h.history(history.plans, [*history.exchanges, *prompt])
+    assert (finding.figures["n_subject"], finding.figures["not_graded"]) == (12, {})
+    # Twelve far-off prompt-region turn-2 hits with no reference turn-2 hit there: not graded, and said so.
+    history = h.history(history.plans, [*history.exchanges, *turn2_pairs(Arm.TREATMENT, BROKEN)])
+    alone = graders.exactness(history, GRADING)
+    assert alone.status is Status.PASS, alone.reason
+    assert alone.figures["not_graded"] == {Kind.TURN2: 12}
+    assert "not graded: 12 turn-2 hits of the treatment, which the reference has none of" in alone.reason
+    # With the reference's own (exact) prompt-region turn-2 hits they are graded, and they fail.
+    history = h.history(history.plans, [*history.exchanges, *turn2_pairs(Arm.REFERENCE, EXACT)])
     finding = graders.exactness(history, GRADING)
     assert finding.status is Status.FAIL, finding.reason
-    assert finding.figures["n_subject"] == 24
+    assert finding.figures["n_subject"] == 12 and finding.figures["not_graded"] == {}
+    assert set(finding.figures["strata"]) == {Kind.PROBE, Kind.TURN2}
+    assert finding.figures["strata"][Kind.PROBE]["status"] == "PASS"
+    assert finding.figures["alpha"] == pytest.approx(GRADING.alpha / 2)  # two strata share the grader's alpha
+    assert "turn-2 hits deviate from recomputation more than the reference's do" in finding.reason
+
+
+def test_prompt_region_turn2_hits_are_not_pooled_with_probes() -> None:
+    # A correct engine: probes on both arms within the same noise; the treatment's turn-2 hits that stopped in the
+    # prompt region (which the reference, with no missing decode checkpoints, does not have) resumed from a longer
+    # prompt and deviate a little more. Pooled against the reference's probes, 16 of 48 beyond their largest read
+    # CorruptionDetected; like with like, the probes pass and the turn-2 hits are not graded.
+    noise = [3e-4 * (1 + 0.01 * i) for i in range(32)]
+    longer = [2 * max(noise) * (1 + 0.01 * i) for i in range(16)]
+    history = probe_history(noise[::-1], noise, *turn2_pairs(Arm.TREATMENT, longer))
+    finding = graders.exactness(history, GRADING)
+    assert finding.status is Status.PASS, finding.reason
+    assert (finding.figures["n_subject"], finding.figures["n_yardstick"]) == (32, 32)
+    assert finding.figures["not_graded"] == {Kind.TURN2: 16}
+    pooled = evidence.judge_samples(
+        "exactness",
+        graders.samples(history, Arm.TREATMENT, graders.EXACTNESS.pairs, in_prefill_region, 1.0, 4),
+        graders.samples(history, Arm.REFERENCE, graders.EXACTNESS.pairs, in_prefill_region, 1.0, 4),
+        alpha=GRADING.alpha,
+        what="hits",
+        against="the reference's",
+        runs=32,
+        hint="",
+    )
+    assert pooled.error_class == "CorruptionDetected"  # the old rule's reading of this correct engine
 
 
 @pytest.mark.parametrize("cached", [None, 0, h.PROMPT + 1, h.DECODE_HIT])
