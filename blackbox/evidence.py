@@ -74,8 +74,10 @@ def judge_samples(
     runs: int,  # conversations (or rounds) the subject came from, to say how many more would do
     hint: str,
     run_unit: str = "conversations",
+    exact: bool | None = None,  # the yardstick's path is bit-exact; None: read from the yardstick itself
 ) -> Finding:
-    counted = "differs" if not any(s.differs for s in yardstick) else "hard"
+    exact = not any(s.differs for s in yardstick) if exact is None else exact
+    counted = "differs" if exact else "hard"
     counted_what = "differ from recomputation" if counted == "differs" else "flip a confident token"
     level = alpha / len(_TESTS)
     base: dict[str, Any] = {"n_subject": len(subject), "n_yardstick": len(yardstick), "alpha": alpha}
