@@ -222,10 +222,16 @@ def _power(
     )
     # Only the fractions this run could not promise.
     asks = [(f, n) for f, n in needed.items() if n and (q is None or q > f)]
+    # Those lengths are for a deviation beyond every value of that run's larger yardstick; a deviation just beyond
+    # this run's largest is caught less often there, and the PASS says how often.
+    just = {f: _just_beyond(n_s, n_y, runs, n, level, f) for f, n in asks}
     if asks:
         (f, n), *rest = asks
         others = "".join(f", {f:.0%} about {n}" for f, n in rest)
-        sentence += f"; {f:.0%} would need about {n}{others} {run_unit}"
+        sentence += (
+            f"; {f:.0%} would need about {n}{others} {run_unit} for a deviation beyond all of that run's yardstick "
+            f"(just beyond {_nat(largest)}: probability >= {', '.join(f'{p:.2f}' for p in just.values())})"
+        )
     figures = {
         "detectable_fraction": q,
         "detectable_deviation": largest,
@@ -234,8 +240,16 @@ def _power(
         "detection_power": POWER,
         "conversations_for_20pct": needed[0.2],
         "conversations_for_10pct": needed[0.1],
+        "power_just_beyond_at_those": {f"{f:.0%}": p for f, p in just.items()},
     }
     return sentence, figures
+
+
+def _just_beyond(n_s: int, n_y: int, runs: int, conversations: int, level: float, fraction: float) -> float:
+    """What `conversations` (at this run's yield and yardstick ratio) would catch of corruption in `fraction` of
+    the hits lying just beyond this run's largest yardstick deviation (`stats.power_just_beyond`)."""
+    n = max(1, math.floor(conversations * n_s / runs)) if runs else n_s
+    return stats.power_just_beyond(n, max(1, round(n * _ratio(n_s, n_y))), n_y, level, fraction, RANKS)
 
 
 def _ratio(n_subject: int, n_yardstick: int) -> float:

@@ -498,6 +498,12 @@ def test_deviations_at_the_noise_floor_on_both_arms_pass_with_a_power_statement(
     for20, for10 = finding.figures["conversations_for_20pct"], finding.figures["conversations_for_10pct"]
     assert len(NOISE) < for20 < for10
     assert f"; 20% would need about {for20}, 10% about {for10} conversations" in finding.reason
+    # those lengths are for corruption beyond all of that longer run's reference; just beyond this one's largest
+    # it is caught less often there (a larger reference reaches further), and the PASS says how often
+    just = finding.figures["power_just_beyond_at_those"]
+    assert just["20%"] == pytest.approx(stats.power_just_beyond(for20, for20, 12, LEVEL, 0.2, evidence.RANKS))
+    assert just["10%"] < just["20%"] < 0.95
+    assert f"(just beyond 0.00042 nat: probability >= {just['20%']:.2f}, {just['10%']:.2f})" in finding.reason
 
 
 def test_a_pass_names_only_the_run_lengths_it_could_not_promise() -> None:
