@@ -12,10 +12,13 @@ path (the reference's hits, or cold racers). Three one-sided tests share the gra
   where it is not.
 
 Before testing, the sample must be able to fail: the smallest attainable p-value, 1 / C(n_s + n_y, n_s), must beat
-the per-test level, or the finding is `InsufficientPower` with the run length that would do. Every PASS states
+the per-test level, or the finding is `InsufficientPower` with the run length that would do. After testing, a PASS
+also needs the realised yardstick to leave room to fail: a finite exceedance threshold whose critical count the
+subject could reach (a yardstick whose RANKS largest are confident flips leaves none). Every PASS states
 the detectable size: a deviation beyond the yardstick's largest (or its RANKS-th largest), in a fraction q of
 hits, caught with probability 0.95 by the exceedance test (binomial tail over its critical count), and the run
-lengths that would reach 20% and 10% of hits where this one could not.
+lengths that would reach 20% and 10% of hits where this one could not: for corruption beyond all of that longer
+run's yardstick, with the (smaller) probability for corruption just beyond this run's largest beside them.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ prompt's end (nothing, for a prompt under two blocks), one that re-sends the ans
 Grading. A correct engine is not bit-exact here: recomputation chunks the prefill differently from the race,
 which moves logprobs slightly (measured on the CPU pair: |Δ| over the top-5 up to 0.5, no confident token
 flips). The noise is measured inside the same run: racers that hit nothing were computed cold under the race's
-chunking, so their deviation from recomputation is the legitimate chunking noise. Follow-ups that resumed from a
+chunking, so their deviation from recomputation is the legitimate chunking noise, one draw a round (the racers of
+a round share its one recomputation). Follow-ups that resumed from a
 race-written boundary must not deviate more. A deviation compares whole next-token distributions (every token
 both sides list in their top-k) up to and including the first differing token, since a wrong state moves the
 runners-up and flips near-ties as readily as it moves the chosen token. Where every cold racer is bit-identical

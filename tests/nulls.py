@@ -21,7 +21,7 @@ def fails(x: Draws, y: Draws, alpha: float) -> NDArray[np.bool_]:
     assert min(n1, n2) >= 10, "smaller arms use a permutation test, not simulated here"
     assert bool((y > 0).all()), "an exact yardstick counts differences, not simulated here"
     level = alpha / 3
-    return _shift(x, y, level) | exceeds(x, y, level) | _count(x, y, level)
+    return _shift(x, y, level) | exceeds(x, y, level) | count(x, y, level)
 
 
 def exceeds(x: Draws, y: Draws, level: float, ranks: int = evidence.RANKS) -> NDArray[np.bool_]:
@@ -39,7 +39,7 @@ def _shift(x: Draws, y: Draws, level: float) -> NDArray[np.bool_]:
     return np.asarray(p < level)
 
 
-def _count(x: Draws, y: Draws, level: float) -> NDArray[np.bool_]:
+def count(x: Draws, y: Draws, level: float) -> NDArray[np.bool_]:
     n1, n2 = x.shape[1], y.shape[1]
     xc, yc = np.isinf(x).sum(axis=1), np.isinf(y).sum(axis=1)
     critical = {int(c): stats.fisher_critical(n1, n2, int(c), level) for c in np.unique(yc)}
