@@ -161,6 +161,14 @@ def _versus_reference(history: History, grading: Grading, c: _Comparison, alpha:
     reason = deciding.reason if len(found) == 1 else "; ".join(f"{_NAMES[k]}: {f.reason}" for k, f in found.items())
     if not_graded:
         reason += f" ({_ungraded(not_graded)})"
+    # Strata that could not reach significance at their share and were dropped for the others' sake.
+    dropped = {kind: [len(s) for s in strata[kind]] for kind in graded if kind not in found}
+    if dropped:
+        figures["too_few_to_fail"] = dropped
+        reason += "".join(
+            f" (not graded: {t} {_NAMES[kind]} hits against {r} could not reach significance)"
+            for kind, (t, r) in dropped.items()
+        )
     return replace(deciding, reason=reason, figures=figures)
 
 

@@ -214,6 +214,14 @@ def test_turn2_hits_in_the_prompt_region_are_graded_against_the_references_own()
     assert finding.figures["strata"][Kind.PROBE]["status"] == "PASS"
     assert finding.figures["alpha"] == pytest.approx(GRADING.alpha / 2)  # two strata share the grader's alpha
     assert "turn-2 hits deviate from recomputation more than the reference's do" in finding.reason
+    # Two turn-2 hits against two cannot fail at any share: dropped and named, the probes judged at all of alpha.
+    few = [*turn2_pairs(Arm.TREATMENT, BROKEN[:2]), *turn2_pairs(Arm.REFERENCE, EXACT[:2])]
+    history = h.history(history.plans, [*probe_history(EXACT, EXACT).exchanges, *few])
+    finding = graders.exactness(history, GRADING)
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["alpha"] == GRADING.alpha
+    assert finding.figures["too_few_to_fail"] == {Kind.TURN2: [2, 2]}
+    assert "(not graded: 2 turn-2 hits against 2 could not reach significance)" in finding.reason
 
 
 def test_prompt_region_turn2_hits_are_not_pooled_with_probes() -> None:
