@@ -12,10 +12,13 @@ path (the reference's hits, or cold racers). Three one-sided tests share the gra
   where it is not.
 
 Before testing, the sample must be able to fail: the smallest attainable p-value, 1 / C(n_s + n_y, n_s), must beat
-the per-test level, or the finding is `InsufficientPower` with the run length that would do. Every PASS states
+the per-test level, or the finding is `InsufficientPower` with the run length that would do. After testing, a PASS
+also needs the realised yardstick to leave room to fail: a finite exceedance threshold whose critical count the
+subject could reach (a yardstick whose RANKS largest are confident flips leaves none). Every PASS states
 the detectable size: a deviation beyond the yardstick's largest (or its RANKS-th largest), in a fraction q of
 hits, caught with probability 0.95 by the exceedance test (binomial tail over its critical count), and the run
-lengths that would reach 20% and 10% of hits where this one could not.
+lengths that would reach 20% and 10% of hits where this one could not: for corruption beyond all of that longer
+run's yardstick, with the (smaller) probability for corruption just beyond this run's largest beside them.
 """
 
 from __future__ import annotations
@@ -75,11 +78,13 @@ def judge_samples(
     hint: str,
     run_unit: str = "conversations",
     assumed: Sequence[str] = (),
+    exact: bool | None = None,  # the yardstick's path is bit-exact; None: read from the yardstick itself
 ) -> Finding:
     """`assumed`: the yardstick's settings nobody could check (a reference without /server_info). Where the
     yardstick is bit-exact, any difference would read as corruption, and a correct treatment with another step
     budget differs from recomputation everywhere: so exactness is demanded only of a yardstick checked alike."""
-    counted = "differs" if not any(s.differs for s in yardstick) else "hard"
+    exact = not any(s.differs for s in yardstick) if exact is None else exact
+    counted = "differs" if exact else "hard"
     if counted == "differs" and assumed and yardstick:
         return Finding.from_error(
             check,
@@ -161,6 +166,17 @@ def judge_samples(
             ),
             **figures,
         )
+    room = _room(len(subject), yx, level)
+    if room is not None:
+        return Finding.from_error(
+            check,
+            errors.InsufficientPower(
+                f"{len(subject)} {what} could not have failed against {against} {len(yardstick)}: {room}",
+                hint="a correct engine's yardstick does not flip tokens it was sure of: check that it computes like "
+                "the treatment, or raise --hard-margin",
+            ),
+            **figures,
+        )
     smallest = min(t.p_value for t in tests)
     return Finding.passed(
         check,
@@ -168,6 +184,23 @@ def judge_samples(
         + power[0],
         **figures,
     )
+
+
+def _room(n_s: int, yx: Sequence[float], level: float) -> str | None:
+    """Why the realised yardstick leaves no room to fail, or None. The sizes can allow a FAIL while the values do
+    not: where the yardstick's RANKS largest deviations are confident flips every exceedance threshold is
+    infinite, and a subject deviating by anything short of a flip could not have been told apart. A PASS needs a
+    finite threshold whose critical count the subject could reach."""
+    top = sorted(yx, reverse=True)[:RANKS]
+    k = next((k for k, t in enumerate(top, 1) if t != math.inf), None)
+    if k is not None and stats.exceedance_critical(n_s, len(yx), level, k, RANKS) is not None:
+        return None
+    if k is None:
+        return (
+            f"their {len(top)} largest deviations are confident token flips, so nothing short of a flip could lie "
+            "beyond any threshold of the exceedance test"
+        )
+    return f"no count of them beyond its {stats.ordinal(k)} largest (the largest finite) reaches p < {level:.3g}"
 
 
 def _power(
@@ -210,10 +243,16 @@ def _power(
     )
     # Only the fractions this run could not promise.
     asks = [(f, n) for f, n in needed.items() if n and (q is None or q > f)]
+    # Those lengths are for a deviation beyond every value of that run's larger yardstick; a deviation just beyond
+    # this run's largest is caught less often there, and the PASS says how often.
+    just = {f: _just_beyond(n_s, n_y, runs, n, level, f) for f, n in asks}
     if asks:
         (f, n), *rest = asks
         others = "".join(f", {f:.0%} about {n}" for f, n in rest)
-        sentence += f"; {f:.0%} would need about {n}{others} {run_unit}"
+        sentence += (
+            f"; {f:.0%} would need about {n}{others} {run_unit} for a deviation beyond all of that run's yardstick "
+            f"(just beyond {_nat(largest)}: probability >= {', '.join(f'{p:.2f}' for p in just.values())})"
+        )
     figures = {
         "detectable_fraction": q,
         "detectable_deviation": largest,
@@ -222,8 +261,16 @@ def _power(
         "detection_power": POWER,
         "conversations_for_20pct": needed[0.2],
         "conversations_for_10pct": needed[0.1],
+        "power_just_beyond_at_those": {f"{f:.0%}": p for f, p in just.items()},
     }
     return sentence, figures
+
+
+def _just_beyond(n_s: int, n_y: int, runs: int, conversations: int, level: float, fraction: float) -> float:
+    """What `conversations` (at this run's yield and yardstick ratio) would catch of corruption in `fraction` of
+    the hits lying just beyond this run's largest yardstick deviation (`stats.power_just_beyond`)."""
+    n = max(1, math.floor(conversations * n_s / runs)) if runs else n_s
+    return stats.power_just_beyond(n, max(1, round(n * _ratio(n_s, n_y))), n_y, level, fraction, RANKS)
 
 
 def _ratio(n_subject: int, n_yardstick: int) -> float:

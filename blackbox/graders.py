@@ -4,9 +4,10 @@ Every grader compares like with like and measures its own yardstick inside the r
 
 - exactness: hits that end in the prefill-written region (the probe, and a turn 2 that stopped there), hit vs
   recomputation (a fresh cache_salt) on the treatment, against the same on the reference (same cache flags, no
-  speculative decoding). Where the reference is bit-exact, a treatment difference is beyond every reference
-  value; where it is not (a prefill chunked mid-block, a GPU's reduction order), the treatment must not deviate
-  more than the reference does.
+  speculative decoding), each kind against the reference's hits of that kind (a kind it has none of is not
+  graded). Where the reference is bit-exact, a treatment difference is beyond every reference value; where it is
+  not (a prefill chunked mid-block, a GPU's reduction order), the treatment must not deviate more than the
+  reference does.
 - logprob: hits that resume from decode-written blocks (turn 2), the same comparison. A correct engine is not
   exact there, with or without speculative decoding, so only the reference is a fair yardstick.
 - recall: needle recall on decode-region hits; a flip is the hit's answer disagreeing with both the treatment's

@@ -34,6 +34,7 @@ __all__ = [
     "min_p_sign",
     "min_p_two_sample",
     "ordinal",
+    "power_just_beyond",
     "quantile",
     "sign_critical",
     "sign_test",
@@ -232,7 +233,9 @@ def conversations_needed(
     """How many conversations a run needs, at the same yield of `units` per conversation and a yardstick `ratio`
     times the subject's size, for a two-sample exceedance test at `alpha` to be able to fail at all (fraction
     None), or to catch corruption in `fraction` of the units with probability `power`. None when even 4096
-    conversations would not do."""
+    conversations would not do. The corruption is taken to lie beyond every value of that run's yardstick; just
+    beyond this run's largest it is caught less often, since a larger yardstick reaches further
+    (`power_just_beyond`)."""
     yield_ = units / conversations if conversations and units else 0.5
     n_conv = max(2, conversations)
     while n_conv <= 4096:
@@ -243,6 +246,23 @@ def conversations_needed(
             return n_conv
         n_conv += max(1, n_conv // 16)  # coarse steps: the answer is a planning figure, "about N"
     return None
+
+
+def power_just_beyond(n: int, n_y: int, now: int, alpha: float, fraction: float, ranks: int = 1) -> float:
+    """The probability that the exceedance test over `ranks` thresholds, n units against a yardstick of n_y drawn
+    anew, catches corruption in `fraction` of the units that lies just beyond the largest of `now` yardstick
+    values seen before (this run's). A larger yardstick reaches further: for exchangeable continuous deviations
+    the number J of its values beyond the old largest is beta-binomial(n_y, 1, now) (`scipy.stats.betabinom`),
+    whatever their distribution, and the corruption clears the (J+1)-th largest and no higher; the corrupted
+    count is binomial (`scipy.stats.binom`). A lower bound: clean units beyond the threshold are not counted.
+    `conversations_needed` assumes J = 0 (corruption beyond every value of the longer run's yardstick)."""
+    beyond = sp.betabinom.pmf(np.arange(ranks), n_y, 1, now)
+    caught = 0.0
+    for k in range(1, min(ranks, n_y) + 1):
+        crit = exceedance_critical(n, n_y, alpha, k, ranks)
+        if crit is not None:
+            caught += float(beyond[k - 1]) * float(sp.binom.sf(crit - 1, n, fraction))
+    return caught
 
 
 def quantile(values: Sequence[float], q: float) -> float:

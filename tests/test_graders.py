@@ -181,21 +181,72 @@ def test_a_treatment_within_the_references_noise_passes() -> None:
     assert broken.figures["p_values"]["deviations beyond the yardstick"] < LEVEL
 
 
-def test_turn2_hits_in_the_prompt_region_are_exactness_samples_decode_region_ones_not() -> None:
+def turn2_pairs(arm: str, answers: Sequence[Answer], *, first: int = 0, cached: int = h.PROMPT_HIT) -> list[Exchange]:
+    """Turn-2 hits of `cached` tokens (by default stopped in the prompt region), each answer against CLEAN."""
+    return [
+        e
+        for i, a in enumerate(answers)
+        for e in h.resumed(first + i, arm, cached=cached, hit=probe_tokens(a), fresh=CLEAN)
+    ]
+
+
+def test_turn2_hits_in_the_prompt_region_are_graded_against_the_references_own() -> None:
     # A turn-2 hit that stopped inside the prompt (a decode checkpoint was missing) resumed from a prefill-written
-    # state like the probe: exactness judges it. A decode-region turn-2 hit belongs to logprob, however far off.
-    far = h.tokens(-0.9, -0.7, -0.3)
-    decode = [e for i in range(12) for e in h.resumed(i + 12, Arm.TREATMENT, hit=CLEAN, fresh=far)]
-    history = probe_history(EXACT, EXACT, *decode)
-    history = h.history([h.plan(i) for i in range(24)], history.exchanges)
+    # state like the probe: exactness judges it, against the reference's turn-2 hits that stopped there too. A
+    # decode-region turn-2 hit belongs to logprob, however far off.
+    decode = turn2_pairs(Arm.TREATMENT, BROKEN, first=12, cached=h.DECODE_HIT)
+    history = h.history([h.plan(i) for i in range(24)], probe_history(EXACT, EXACT, *decode).exchanges)
     finding = graders.exactness(history, GRADING)
     assert finding.status is Status.PASS, finding.reason
-    assert finding.figures["n_subject"] == 12
-    prompt = [e for i in range(12) for e in h.resumed(i, Arm.TREATMENT, cached=h.PROMPT_HIT, hit=CLEAN, fresh=far)]
-    history = h.history(history.plans, [*history.exchanges, *prompt])
+    assert (finding.figures["n_subject"], finding.figures["not_graded"]) == (12, {})
+    # Twelve far-off prompt-region turn-2 hits with no reference turn-2 hit there: not graded, and said so.
+    history = h.history(history.plans, [*history.exchanges, *turn2_pairs(Arm.TREATMENT, BROKEN)])
+    alone = graders.exactness(history, GRADING)
+    assert alone.status is Status.PASS, alone.reason
+    assert alone.figures["not_graded"] == {Kind.TURN2: 12}
+    assert "not graded: 12 turn-2 hits of the treatment, which the reference has none of" in alone.reason
+    # With the reference's own (exact) prompt-region turn-2 hits they are graded, and they fail.
+    history = h.history(history.plans, [*history.exchanges, *turn2_pairs(Arm.REFERENCE, EXACT)])
     finding = graders.exactness(history, GRADING)
     assert finding.status is Status.FAIL, finding.reason
-    assert finding.figures["n_subject"] == 24
+    assert finding.figures["n_subject"] == 12 and finding.figures["not_graded"] == {}
+    assert set(finding.figures["strata"]) == {Kind.PROBE, Kind.TURN2}
+    assert finding.figures["strata"][Kind.PROBE]["status"] == "PASS"
+    assert finding.figures["alpha"] == pytest.approx(GRADING.alpha / 2)  # two strata share the grader's alpha
+    assert "turn-2 hits deviate from recomputation more than the reference's do" in finding.reason
+    # Two turn-2 hits against two cannot fail at any share: dropped and named, the probes judged at all of alpha.
+    few = [*turn2_pairs(Arm.TREATMENT, BROKEN[:2]), *turn2_pairs(Arm.REFERENCE, EXACT[:2])]
+    history = h.history(history.plans, [*probe_history(EXACT, EXACT).exchanges, *few])
+    finding = graders.exactness(history, GRADING)
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["alpha"] == GRADING.alpha
+    assert finding.figures["too_few_to_fail"] == {Kind.TURN2: [2, 2]}
+    assert "(not graded: 2 turn-2 hits against 2 could not reach significance)" in finding.reason
+
+
+def test_prompt_region_turn2_hits_are_not_pooled_with_probes() -> None:
+    # A correct engine: probes on both arms within the same noise; the treatment's turn-2 hits that stopped in the
+    # prompt region (which the reference, with no missing decode checkpoints, does not have) resumed from a longer
+    # prompt and deviate a little more. Pooled against the reference's probes, 16 of 48 beyond their largest read
+    # CorruptionDetected; like with like, the probes pass and the turn-2 hits are not graded.
+    noise = [3e-4 * (1 + 0.01 * i) for i in range(32)]
+    longer = [2 * max(noise) * (1 + 0.01 * i) for i in range(16)]
+    history = probe_history(noise[::-1], noise, *turn2_pairs(Arm.TREATMENT, longer))
+    finding = graders.exactness(history, GRADING)
+    assert finding.status is Status.PASS, finding.reason
+    assert (finding.figures["n_subject"], finding.figures["n_yardstick"]) == (32, 32)
+    assert finding.figures["not_graded"] == {Kind.TURN2: 16}
+    pooled = evidence.judge_samples(
+        "exactness",
+        graders.samples(history, Arm.TREATMENT, graders.EXACTNESS.pairs, in_prefill_region, 1.0, 4),
+        graders.samples(history, Arm.REFERENCE, graders.EXACTNESS.pairs, in_prefill_region, 1.0, 4),
+        alpha=GRADING.alpha,
+        what="hits",
+        against="the reference's",
+        runs=32,
+        hint="",
+    )
+    assert pooled.error_class == "CorruptionDetected"  # the old rule's reading of this correct engine
 
 
 @pytest.mark.parametrize("cached", [None, 0, h.PROMPT + 1, h.DECODE_HIT])
@@ -455,6 +506,12 @@ def test_deviations_at_the_noise_floor_on_both_arms_pass_with_a_power_statement(
     for20, for10 = finding.figures["conversations_for_20pct"], finding.figures["conversations_for_10pct"]
     assert len(NOISE) < for20 < for10
     assert f"; 20% would need about {for20}, 10% about {for10} conversations" in finding.reason
+    # those lengths are for corruption beyond all of that longer run's reference; just beyond this one's largest
+    # it is caught less often there (a larger reference reaches further), and the PASS says how often
+    just = finding.figures["power_just_beyond_at_those"]
+    assert just["20%"] == pytest.approx(stats.power_just_beyond(for20, for20, 12, LEVEL, 0.2, evidence.RANKS))
+    assert just["10%"] < just["20%"] < 0.95
+    assert f"(just beyond 0.00042 nat: probability >= {just['20%']:.2f}, {just['10%']:.2f})" in finding.reason
 
 
 def test_a_pass_names_only_the_run_lengths_it_could_not_promise() -> None:
@@ -713,6 +770,23 @@ def test_a_yardstick_holding_a_confident_flip_states_power_by_the_count_test() -
     assert "beyond a confident token flip" not in finding.reason
     q = finding.figures["detectable_fraction"]
     assert q is not None and 0 < q < 1
+
+
+def test_a_yardstick_whose_top_is_all_confident_flips_cannot_pass() -> None:
+    # Nine of 32 hits 0.9 nat off, against a reference whose largest four are confident token flips: every
+    # exceedance threshold is infinite, so nothing short of a flip could have been seen. The sizes allow a FAIL
+    # (9 beyond a finite top is one); the realised values do not, so this is no PASS (it was, with exit 0).
+    noise = [0.01 + 0.001 * i for i in range(32)]
+    treatment = [*noise[:23], *[0.9] * 9]
+    assert graders.logprob(logprob_history(treatment, noise), GRADING).error_class == "CorruptionDetected"
+    blind = graders.logprob(logprob_history(treatment, noise, hard_r=4), GRADING)
+    assert (blind.status, blind.error_class) == (Status.UNKNOWN, "InsufficientPower"), blind.reason
+    assert "their 4 largest deviations are confident token flips" in blind.reason
+    assert "--hard-margin" in blind.hint
+    named = graders.grade(logprob_history(treatment, noise, hard_r=4), Grading(graders=("logprob",)))
+    assert merge(named.findings).exit_code == 2
+    # Three flips leave the 4th largest finite: a threshold the treatment could pass, so a PASS may stand.
+    assert graders.logprob(logprob_history(treatment, noise, hard_r=3), GRADING).status is Status.PASS
 
 
 def test_a_grader_without_evidence_takes_no_share_of_alpha() -> None:

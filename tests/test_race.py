@@ -42,11 +42,11 @@ EARLIER = (2000, 700, 40, 1)  # steps taken before the race window opened (the m
 RACE_GATES = ["endpoints", "logprobs", "counters", "cache-live", "race-trigger", "race-liveness"]
 MULTITURN_GATES = ["endpoints", "logprobs", "counters", "cache-live", "trigger", "drafter-live"]
 
-# Deviations from recomputation, in nats: the cold racers' chunking noise (3 rounds of 8), follow-ups far above it
-# and follow-ups inside it (3 rounds of 3).
-COLD = tuple(0.01 + 0.05 * (i % 8) / 7 for i in range(24))  # 0.01 .. 0.06
-FAR = tuple(0.3 + 0.3 * i / 8 for i in range(9))  # 0.3 .. 0.6
-NEAR = tuple(0.01 + 0.05 * i / 8 for i in range(9))  # 0.01 .. 0.06
+# Deviations from recomputation, in nats: the cold racers' chunking noise (one draw in each of 12 rounds),
+# follow-ups far above it and follow-ups inside it (2 a round).
+COLD = tuple(0.01 + 0.05 * i / 11 for i in range(12))  # 0.01 .. 0.06
+FAR = tuple(0.3 + 0.3 * i / 23 for i in range(24))  # 0.3 .. 0.6
+NEAR = tuple(0.01 + 0.05 * i / 23 for i in range(24))  # 0.01 .. 0.06
 
 # A treatment whose cache hits but which has no drafter: the multiturn drafter gate would fail on it.
 NO_DRAFTER = h.live_delta(DRAFTS=None, DRAFT_TOKENS=None, ACCEPTED=None, ACCEPTED_PER_POS=None)
@@ -207,18 +207,17 @@ def deviating_race(
     cold: Sequence[Answer],
     hits: Sequence[Answer],
     *,
-    racers: int = 8,
-    followups: int = 3,
+    racers: int = 4,
     follow_fresh: Sequence[TokenLogprob] = ANSWER,
 ) -> History:
-    """Rounds of `racers` cold racers and `followups` resumed follow-ups. Racer i (round-major) answers cold[i] and
-    follow-up i hits[i], a float meaning ANSWER shifted by it; race-fresh answers ANSWER, every follow-up's
-    recomputation `follow_fresh`."""
-    n = len(cold) // racers
-    assert n * racers == len(cold) and n * followups == len(hits), "whole rounds only"
+    """One round per cold draw: its `racers` cold racers all answer cold[i] (a float meaning ANSWER shifted by it)
+    against race-fresh's ANSWER, and its len(hits) / len(cold) resumed follow-ups answer hits round-major, each
+    against its own recomputation `follow_fresh`."""
+    n, followups = len(cold), len(hits) // len(cold)
+    assert n * followups == len(hits), "whole rounds only"
     exchanges: list[Exchange] = []
     for i in range(n):
-        toks = {f"race-{j}": as_tokens(cold[i * racers + j]) for j in range(racers)}
+        toks = {f"race-{j}": as_tokens(cold[i]) for j in range(racers)}
         toks |= {f"follow-{f}": as_tokens(hits[i * followups + f]) for f in range(followups)}
         toks |= {f"follow-{f}-fresh": follow_fresh for f in range(followups)}
         exchanges += round_exchanges(R0 + i, racers=racers, followups=followups, toks=toks)
@@ -226,7 +225,7 @@ def deviating_race(
     return race_history([*exchanges, *liveness_pair()], rounds, race_window=window(128, 128, 32))
 
 
-def followup_ids(which: Sequence[int], followups: int = 3) -> list[tuple[int, str]]:
+def followup_ids(which: Sequence[int], followups: int = 2) -> list[tuple[int, str]]:
     """(round, kind) of follow-ups `which`, numbered round-major as in `deviating_race`."""
     return [(R0 + i // followups, f"follow-{i % followups}") for i in which]
 
@@ -485,15 +484,15 @@ def test_one_inexact_cold_racer_switches_to_noise_mode() -> None:
     )
     switched = divergence(one)
     assert (switched.figures["mode"], switched.figures["counted"]) == ("noise", "hard")
-    # round R0's racers are two draws (three alike, and race-2), every other round's one
-    assert (switched.figures["n_yardstick"], switched.figures["yardstick_identical"]) == (n + 1, n)
-    assert switched.figures["yardstick_deviation"]["max_finite"] == pytest.approx(0.06)
+    # every round is one draw, its first racer: race-2 decided the mode without being a draw
+    assert (switched.figures["n_yardstick"], switched.figures["yardstick_identical"]) == (n, n)
+    assert switched.figures["yardstick_deviation"]["max_finite"] == 0.0
     # Noise mode still compares whole distributions (a rank test): follow-ups at 1e-7 against racers at 0 bar one
-    # shift upwards. With a racer off by 0.06 in every round, 1e-7 is inside the racers' noise and passes.
-    finding = divergence(repeated(6, toks=follow | {"race-2": shifted(0.06)}))
+    # shift upwards. With the drawn racer off by 0.06 in every round, 1e-7 is inside the racers' noise and passes.
+    finding = divergence(repeated(6, toks=follow | {"race-0": shifted(0.06)}))
     assert finding.status is Status.PASS, finding.reason
     assert finding.figures["mode"] == "noise"
-    assert (finding.figures["n_yardstick"], finding.figures["yardstick_identical"]) == (12, 6)
+    assert (finding.figures["n_yardstick"], finding.figures["yardstick_identical"]) == (6, 0)
 
 
 def test_a_round_too_small_to_fail_is_insufficient_power() -> None:
@@ -521,16 +520,16 @@ def test_followups_deviating_beyond_the_cold_racers_noise_are_corruption() -> No
     assert_corruption(finding)
     figures = finding.figures
     assert (figures["mode"], figures["counted"]) == ("noise", "hard")
-    assert (figures["n_yardstick"], figures["n_subject"]) == (24, 9)
+    assert (figures["n_yardstick"], figures["n_subject"]) == (12, 24)
     assert (figures["yardstick_identical"], figures["subject_identical"]) == (0, 0)
     assert figures["alpha_per_test"] == pytest.approx(GRADING.alpha / 3)
     assert figures["p_values"]["deviation shift"] < figures["alpha_per_test"]
-    assert figures["p_values"]["deviations beyond the yardstick"] == pytest.approx(1 / math.comb(33, 9))
+    assert figures["p_values"]["deviations beyond the yardstick"] == pytest.approx(1 / math.comb(36, 12))
     assert figures["p_values"]["count"] == 1.0
-    assert listed(finding) == followup_ids(range(9))
+    assert listed(finding) == followup_ids(range(24))
     assert figures["yardstick_deviation"]["max_finite"] == pytest.approx(0.06)
     assert figures["subject_deviation"]["max_finite"] == pytest.approx(0.6)
-    assert "0/9 flip a confident token vs 0/24" in finding.reason
+    assert "0/24 flip a confident token vs 0/12" in finding.reason
 
 
 def test_followups_within_the_cold_racers_noise_pass() -> None:
@@ -539,7 +538,7 @@ def test_followups_within_the_cold_racers_noise_pass() -> None:
     assert finding.figures["mode"] == "noise"
     assert min(finding.figures["p_values"].values()) >= finding.figures["alpha_per_test"]
     assert finding.figures["mismatches"] == []
-    assert "9 follow-ups resumed from race-written blocks within the cold racers' 24" in finding.reason
+    assert "24 follow-ups resumed from race-written blocks within the cold racers' 12" in finding.reason
     assert "a deviation beyond 0.06 nat in >= " in finding.reason
     assert "would have been detected with probability 0.95" in finding.reason
     assert finding.figures["detectable_deviation"] == pytest.approx(0.06)
@@ -547,18 +546,19 @@ def test_followups_within_the_cold_racers_noise_pass() -> None:
 
 def test_followups_at_the_cold_racers_level_pass() -> None:
     # Same distribution, round for round: no tendency to exceed it.
-    finding = divergence(deviating_race(COLD, COLD, followups=8))
+    finding = divergence(deviating_race(COLD, COLD))
     assert finding.status is Status.PASS, finding.reason
     assert finding.figures["p_values"]["deviation shift"] > 0.1
 
 
-# Follow-ups all in the upper part of the racers' noise, none beyond its largest: only the rank test sees them.
-# Below its 4th largest too (0.0529), where the exceedance test's deepest threshold lies.
-HIGH = tuple(0.046 + 0.006 * i / 8 for i in range(9))  # 0.046 .. 0.052, below COLD's top six
+# Follow-ups all above the bulk of the racers' noise, none beyond its largest: only the rank test sees them.
+# Below its 4th largest too (0.05), where the exceedance test's deepest threshold lies.
+BULK = (*(0.01 + 0.01 * i / 7 for i in range(8)), 0.05, 0.053, 0.056, 0.06)  # 0.01 .. 0.02, and four above
+HIGH = tuple(0.03 + 0.005 * i / 23 for i in range(24))  # 0.03 .. 0.035
 
 
 def test_each_test_runs_at_a_third_of_alpha() -> None:
-    history = deviating_race(COLD, HIGH)
+    history = deviating_race(BULK, HIGH)
     p = divergence(history).figures["p_values"]
     assert p["deviations beyond the yardstick"] == p["count"] == 1.0
     shift = p["deviation shift"]
@@ -568,81 +568,97 @@ def test_each_test_runs_at_a_third_of_alpha() -> None:
     assert strict.figures["alpha_per_test"] == pytest.approx(2.9 * shift / 3)
 
 
-# 4 rounds of 8 cold racers (0.01 .. 0.06) and of 4 follow-ups: 6 confident flips, the rest identical. The flips
-# rank above every racer but the identical ten below them all, so ranks alone see nothing.
-FISHER_COLD = tuple(0.01 + 0.05 * (i % 8) / 7 for i in range(32))
-FISHER_HITS: tuple[Answer, ...] = (*(FLIPPED,) * 6, *(0.0,) * 10)
+# 12 rounds of cold racers (0.01 .. 0.06) and of 2 follow-ups: 12 confident flips, the rest identical. The flips
+# rank above every racer but the identical twelve below them all, so ranks alone see nothing.
+FISHER_HITS: tuple[Answer, ...] = (*(FLIPPED,) * 12, *(0.0,) * 12)
 
 
-def test_racers_that_answer_alike_are_one_draw_of_the_noise() -> None:
-    # 6 rounds of 8 racers at 0.01 .. 0.06 (one level a round) and 18 follow-ups, 6 of them just beyond every
-    # racer. Racers that each answered their own way are 48 draws: 6 of 18 beyond the largest of 48 is unlikely
-    # under exchangeability, a FAIL. Racers of a round that answered alike are the same computation seen eight
-    # times: 6 draws, and 6 of 18 beyond the largest of 6 is ordinary (p > 0.1), a PASS.
+def test_the_racers_of_a_round_are_one_draw_however_they_answer() -> None:
+    # Every racer of a round is compared with the round's one recomputation, so a recomputation that lands off
+    # puts them all high together. 6 rounds of 8 racers at 0.01 .. 0.06 (one level a round, each racer its own
+    # answer) and 18 follow-ups, 6 of them just beyond every racer: as 48 draws, 6 of 18 beyond the largest of 48
+    # would be a FAIL; as the 6 draws they are, it is ordinary (p > 0.1).
     hits = (*(0.07,) * 6, *(0.005,) * 12)
-    own = divergence(deviating_race(tuple(0.01 * (r + 1) + 1e-6 * j for r in range(6) for j in range(8)), hits))
-    assert_corruption(own)
-    assert own.figures["n_yardstick"] == 48
-    alike = divergence(deviating_race(tuple(0.01 * (r + 1) for r in range(6) for _ in range(8)), hits))
-    assert alike.status is Status.PASS, alike.reason
-    assert alike.figures["n_yardstick"] == 6
-    assert alike.figures["p_values"]["deviations beyond the yardstick"] > 0.1
+    exchanges: list[Exchange] = []
+    for i in range(6):
+        toks = {f"race-{j}": shifted(0.01 * (i + 1) + 1e-6 * j) for j in range(8)}
+        toks |= {f"follow-{f}": shifted(hits[3 * i + f]) for f in range(3)}
+        exchanges += round_exchanges(R0 + i, racers=8, followups=3, toks=toks)
+    history = race_history([*exchanges, *liveness_pair()], [rnd(R0 + i, racers=8, followups=3) for i in range(6)])
+    finding = divergence(history)
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["n_yardstick"] == 6
+    assert finding.figures["p_values"]["deviations beyond the yardstick"] > 0.1
+    assert finding.figures["yardstick_deviation"]["max_finite"] == pytest.approx(0.06)  # race-0 of each round
+    # The draw is the first racer that is comparable and cold, whatever its value: here race-0 hit the cache.
+    hit_first = with_rounds(
+        history,
+        *(
+            [
+                dataclasses.replace(e, cached_tokens=16) if e.kind == "race-0" else e
+                for e in exchanges
+                if e.conversation == R0 + i
+            ]
+            for i in range(6)
+        ),
+    )
+    assert divergence(hit_first).figures["yardstick_deviation"]["max_finite"] == pytest.approx(0.06 + 1e-6)
 
 
 def test_confident_flips_in_followups_only_are_corruption_through_the_count_test() -> None:
-    finding = divergence(deviating_race(FISHER_COLD, FISHER_HITS, followups=4))
+    finding = divergence(deviating_race(COLD, FISHER_HITS))
     assert_corruption(finding)
     p, level = finding.figures["p_values"], finding.figures["alpha_per_test"]
     assert p["deviation shift"] >= level  # the rank test alone would pass this
     assert p["count"] < level
     # a confident flip is an infinite deviation, so it is also beyond every racer; the exceedance test tries the
-    # racers' 4 largest as thresholds and pays for that (its single-threshold p is C(16, 6) / C(48, 6))
-    single = math.comb(16, 6) / math.comb(48, 6)
+    # racers' 4 largest as thresholds and pays for that (its single-threshold p is C(24, 12) / C(36, 12))
+    single = math.comb(24, 12) / math.comb(36, 12)
     assert p["deviations beyond the yardstick"] == pytest.approx(
-        stats.exceedance([math.inf] * 6 + [0.0] * 10, FISHER_COLD, 4).p_value
+        stats.exceedance([math.inf] * 12 + [0.0] * 12, COLD, 4).p_value
     )
     assert single < p["deviations beyond the yardstick"] < 4 * single
     assert finding.figures["counted"] == "hard"
-    assert finding.figures["subject_deviation"]["hard"] == 6
+    assert finding.figures["subject_deviation"]["hard"] == 12
     assert finding.figures["yardstick_deviation"]["hard"] == 0
-    assert listed(finding) == followup_ids(range(6), followups=4)
-    assert "6/16 flip a confident token vs 0/32" in finding.reason
+    assert listed(finding) == followup_ids(range(12))
+    assert "12/24 flip a confident token vs 0/12" in finding.reason
 
 
 def test_near_tie_flips_in_followups_are_noise() -> None:
     # The same flips where recomputation hesitated (margin 0.5 < hard_margin 1): no hard divergence.
-    near_ties = (*(FLIPPED_TIED,) * 6, *(TIED,) * 10)
-    finding = divergence(deviating_race(FISHER_COLD, near_ties, followups=4, follow_fresh=TIED))
+    near_ties = (*(FLIPPED_TIED,) * 12, *(TIED,) * 12)
+    finding = divergence(deviating_race(COLD, near_ties, follow_fresh=TIED))
     assert finding.status is Status.PASS, finding.reason
     assert finding.figures["subject_deviation"]["hard"] == 0
     # and under a hard margin above ANSWER's 2 nats the confident flips are near-ties too
-    relaxed = divergence(deviating_race(FISHER_COLD, FISHER_HITS, followups=4), hard_margin=2.5)
+    relaxed = divergence(deviating_race(COLD, FISHER_HITS), hard_margin=2.5)
     assert relaxed.status is Status.PASS, relaxed.reason
 
 
-def test_confident_flips_as_frequent_among_cold_racers_pass() -> None:
-    # twelve racers flipping, each its own answer (alike they would be one draw a round)
-    flips = tuple(h.tokens(-0.1, -0.2, -0.3 - 0.001 * i, words=["alpha", "bravo", "three"]) for i in range(12))
-    cold = (*flips, *FISHER_COLD[12:])
-    finding = divergence(deviating_race(cold, FISHER_HITS, followups=4))
-    assert finding.status is Status.PASS, finding.reason
-    assert finding.figures["yardstick_deviation"]["hard"] == 12
+def test_confident_flips_as_frequent_among_cold_racers_are_not_corruption_nor_a_pass() -> None:
+    # half the rounds' racers flipping (each round its own answer): the follow-ups' flips are no more frequent,
+    # so no FAIL; but the racers' largest deviations are all flips, so no deviation short of one could have shown
+    # either, and the run cannot PASS.
+    flips = tuple(h.tokens(-0.1, -0.2, -0.3 - 0.001 * i, words=["alpha", "bravo", "three"]) for i in range(6))
+    finding = divergence(deviating_race((*flips, *COLD[6:]), FISHER_HITS))
+    assert_unknown(finding, errors.InsufficientPower)
+    assert finding.figures["yardstick_deviation"]["hard"] == 6
     assert finding.figures["p_values"]["count"] >= finding.figures["alpha_per_test"]
 
 
 def test_confident_flips_are_corruption_even_when_a_cold_racer_flipped_too() -> None:
-    cold = (FLIPPED, *FISHER_COLD[1:])
-    hits: tuple[Answer, ...] = (*(FLIPPED,) * 10, *(0.0,) * 6)
-    finding = divergence(deviating_race(cold, hits, followups=4))
+    hits: tuple[Answer, ...] = (*(FLIPPED,) * 18, *(0.0,) * 6)
+    finding = divergence(deviating_race((FLIPPED, *COLD[1:]), hits))
     assert_corruption(finding)
-    assert "10/16 flip a confident token vs 1/32" in finding.reason
+    assert "18/24 flip a confident token vs 1/12" in finding.reason
     # One racer's flip makes the racers' largest deviation infinite, so nothing lies beyond it; the exceedance
-    # test's deeper thresholds (the racers' 2nd to 4th largest) are finite and see the ten flips, as does the
-    # count test. The flipped follow-ups are what the finding lists for replay.
+    # test's deeper thresholds (the racers' 2nd to 4th largest) are finite and see the flips, as does the count
+    # test. The flipped follow-ups are what the finding lists for replay.
     assert finding.figures["p_values"]["count"] < finding.figures["alpha_per_test"]
     assert finding.figures["p_values"]["deviations beyond the yardstick"] < finding.figures["alpha_per_test"]
     assert finding.figures["exceedance_rank"] > 1
-    assert sorted(listed(finding)) == sorted(followup_ids(range(10), followups=4))
+    assert sorted(listed(finding)) == sorted(followup_ids(range(18)))
 
 
 # --- race_divergence: what counts as evidence ---------------------------------------------------------------
@@ -1045,7 +1061,7 @@ def test_the_cold_race_probe_reports_race_corruption() -> None:
 
 
 def test_the_cold_race_probe_grades_with_the_stated_alpha_and_hard_margin() -> None:
-    high = deviating_race(COLD, HIGH)  # only the rank test sees these follow-ups
+    high = deviating_race(BULK, HIGH)  # only the rank test sees these follow-ups
     shift = divergence(high).figures["p_values"]["deviation shift"]
 
     def grade(history: History, grading: Grading) -> Finding:
@@ -1056,11 +1072,11 @@ def test_the_cold_race_probe_grades_with_the_stated_alpha_and_hard_margin() -> N
     passed = grade(high, Grading(alpha=2.9 * shift))
     assert passed.status is Status.PASS, passed.reason
     assert passed.figures["alpha"] == pytest.approx(2.9 * shift)
-    # an alpha so small that 9 follow-ups against 24 racers cannot reach it: no power, whatever they show
+    # an alpha so small that 24 follow-ups against 12 racer draws cannot reach it: no power, whatever they show
     far = deviating_race(COLD, FAR)
     assert grade(far, GRADING).status is Status.FAIL
-    assert grade(far, Grading(alpha=2.9 / math.comb(33, 9))).error_class == "InsufficientPower"
-    flips = deviating_race(FISHER_COLD, FISHER_HITS, followups=4)
+    assert grade(far, Grading(alpha=2.9 / math.comb(36, 12))).error_class == "InsufficientPower"
+    flips = deviating_race(COLD, FISHER_HITS)
     assert grade(flips, GRADING).status is Status.FAIL
     relaxed = grade(flips, Grading(hard_margin=2.5))
     assert relaxed.status is Status.PASS, relaxed.reason

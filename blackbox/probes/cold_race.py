@@ -11,7 +11,8 @@ prompt's end (nothing, for a prompt under two blocks), one that re-sends the ans
 Grading. A correct engine is not bit-exact here: recomputation chunks the prefill differently from the race,
 which moves logprobs slightly (measured on the CPU pair: |Δ| over the top-5 up to 0.5, no confident token
 flips). The noise is measured inside the same run: racers that hit nothing were computed cold under the race's
-chunking, so their deviation from recomputation is the legitimate chunking noise. Follow-ups that resumed from a
+chunking, so their deviation from recomputation is the legitimate chunking noise, one draw a round (the racers of
+a round share its one recomputation). Follow-ups that resumed from a
 race-written boundary must not deviate more. A deviation compares whole next-token distributions (every token
 both sides list in their top-k) up to and including the first differing token, since a wrong state moves the
 runners-up and flips near-ties as readily as it moves the chosen token. Where every cold racer is bit-identical
@@ -34,7 +35,7 @@ from blackbox.client import Endpoint
 from blackbox.compare import deviation
 from blackbox.config import Grading, RaceSettings
 from blackbox.evidence import Sample, judge_samples
-from blackbox.history import Arm, Exchange, History, RaceRound, TokenLogprob
+from blackbox.history import Arm, Exchange, History, RaceRound
 from blackbox.metrics import MetricsDelta
 from blackbox.probes.base import DriveContext, Driven, Grader, Probe, Record, compared_positions, settle, with_positions
 from blackbox.verdict import Finding
@@ -154,17 +155,20 @@ def _compare(e: Exchange | None, ref: Exchange | None, hard_margin: float, lengt
 
 def _samples(
     history: History, rounds: Sequence[RaceRound], hard_margin: float, tokens: int | None = None
-) -> tuple[list[Sample], list[Sample]]:
-    """Cold racers against recomputation, and follow-ups that hit against theirs. Racers decode much longer than
-    follow-ups, and a longer answer has more positions to deviate at, so a racer is compared over as many tokens
-    as the round's longest follow-up answer: like against like. Both over `tokens` positions at most.
+) -> tuple[list[Sample], list[Sample], bool]:
+    """One cold racer a round against recomputation, follow-ups that hit against theirs, and whether every cold
+    racer was bit-identical to recomputation. Racers decode much longer than follow-ups, and a longer answer has
+    more positions to deviate at, so a racer is compared over as many tokens as the round's longest follow-up
+    answer: like against like. Both over `tokens` positions at most.
 
-    A round's racers send one prompt and are compared with one recomputation, so racers that answered alike (bit
-    for bit over the compared positions) are one draw of the noise, not several: each distinct answer counts once
-    a round. Counted as copies they would shrink every test's p-value as if the yardstick were larger than it is
-    (a false alarm wherever a schedule chunks every racer of a round alike)."""
+    A round's racers are all compared with the one recomputation of that round, so their deviations share its
+    noise: a recomputation that lands off puts every racer of the round high together. Counted as several draws
+    they make the yardstick look larger and surer than it is (simulated false alarms 4-9x nominal), so a round
+    gives one draw: its first comparable cold racer, chosen by position, not by value. Whether the engine is exact
+    for this geometry is read from every cold racer."""
     cold: list[Sample] = []
     hit: list[Sample] = []
+    exact = True
     for r in rounds:
         follows = [
             (
@@ -177,21 +181,19 @@ def _samples(
         if tokens is not None:
             length = min(length or tokens, tokens)
         fresh = history.get(r.index, Arm.TREATMENT, "race-fresh")
-        drawn: set[tuple[TokenLogprob, ...]] = set()
-        for j in range(r.racers):
-            e = history.get(r.index, Arm.TREATMENT, f"race-{j}")
-            sample = _compare(e, fresh, hard_margin, length)
-            if sample is None or e is None or e.cached_tokens:
-                continue
-            answer = tuple(e.tokens[:length])
-            if answer not in drawn:
-                drawn.add(answer)
-                cold.append(sample)
+        racers = [history.get(r.index, Arm.TREATMENT, f"race-{j}") for j in range(r.racers)]
+        drawn = [
+            s
+            for e in racers
+            if e is not None and not e.cached_tokens and (s := _compare(e, fresh, hard_margin, length))
+        ]
+        exact = exact and not any(s.differs for s in drawn)
+        cold += drawn[:1]
         for e, e_fresh in follows:
             sample = _compare(e, e_fresh, hard_margin, tokens)
             if sample is not None and e is not None and e.cached_tokens:
                 hit.append(sample)
-    return cold, hit
+    return cold, hit, exact
 
 
 def race_divergence(
@@ -200,7 +202,7 @@ def race_divergence(
     """Follow-ups that resumed from race-written blocks against cold racers (the race's own chunking noise). Where
     every cold racer is bit-identical to recomputation the engine is exact for this geometry, so the count test
     counts any difference; otherwise confident flips (see `evidence`)."""
-    cold, hit = _samples(history, rounds, hard_margin, tokens)
+    cold, hit, exact = _samples(history, rounds, hard_margin, tokens)
     extra: dict[str, object] = {"distinct_outputs": _distinct_outputs(history, rounds)}
     if not hit or not cold:
         why = f"{len(hit)} follow-ups resumed from race-written blocks, {len(cold)} cold racers to calibrate on"
@@ -215,6 +217,7 @@ def race_divergence(
         runs=len(rounds),
         hint="replay the listed rounds with the commands in the run folder's replay/",
         run_unit="race rounds",
+        exact=exact,
     )
     if "counted" in finding.figures:
         extra["mode"] = "exact" if finding.figures["counted"] == "differs" else "noise"

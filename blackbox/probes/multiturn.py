@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from blackbox import errors, metrics, stats
 from blackbox.client import Endpoint, gather_bounded
@@ -35,10 +35,9 @@ from blackbox.probes.base import (
     Record,
     compared_positions,
     not_used,
-    with_positions,
 )
 from blackbox.server_info import trigger_hint
-from blackbox.verdict import Finding
+from blackbox.verdict import Finding, Status
 from blackbox.workload import plan_conversation, turn1_body, turn2_body, turn2_messages
 
 __all__ = [
@@ -213,6 +212,10 @@ def logprob(history: History, grading: Grading, alpha: float | None = None) -> F
 
 
 def _versus_reference(history: History, grading: Grading, c: _Comparison, alpha: float) -> Finding:
+    """Each kind of hit against the reference's hits of the same kind (a stratum): a turn-2 hit that stopped in
+    the prompt resumed from a longer prompt than a probe, and a correct engine can deviate there by more. Pooled
+    against a reference of probes only (the reference has no missing decode checkpoints) they read as corruption.
+    A kind the reference has no hits of is not graded and is named; the graded kinds share alpha (Bonferroni)."""
     if Arm.REFERENCE not in history.arms():
         return not_used(
             c.check,
@@ -220,26 +223,83 @@ def _versus_reference(history: History, grading: Grading, c: _Comparison, alpha:
             f"cannot measure how far a correct engine's {c.region} hits deviate from recomputation",
         )
     n = compared_positions(history, grading)
-    t = samples(history, Arm.TREATMENT, c.pairs, c.where, grading.hard_margin, n)
-    r = samples(history, Arm.REFERENCE, c.pairs, c.where, grading.hard_margin, n)
-    if not t or not r:
-        return not_used(c.check, f"no {c.region} hits to compare (treatment {len(t)}, reference {len(r)})")
+    strata = {
+        hit: (
+            samples(history, Arm.TREATMENT, [(hit, fresh)], c.where, grading.hard_margin, n),
+            samples(history, Arm.REFERENCE, [(hit, fresh)], c.where, grading.hard_margin, n),
+        )
+        for hit, fresh in c.pairs
+    }
+    graded = [kind for kind, (t, r) in strata.items() if t and r]
+    not_graded = {kind: len(t) for kind, (t, r) in strata.items() if t and not r}
+    if not graded:
+        t_all, r_all = (sum(len(v[i]) for v in strata.values()) for i in (0, 1))
+        why = f"no {c.region} hits to compare (treatment {t_all}, reference {r_all})"
+        if not_graded:
+            why += f"; {_ungraded(not_graded)}"
+        return not_used(c.check, why)
+    found = _strata(c, strata, graded, alpha, len(history.plans), grading.yardstick_assumed)
+    deciding = next((f for f in found.values() if f.status is Status.FAIL), None) or next(iter(found.values()))
+    figures = {**deciding.figures, "compared_positions": n, "not_graded": not_graded}
+    if len(found) > 1:
+        figures["strata"] = {kind: {"status": f.status.value, **f.figures} for kind, f in found.items()}
+        figures["mismatches"] = [m for f in found.values() for m in f.figures.get("mismatches", ())]
+    reason = deciding.reason if len(found) == 1 else "; ".join(f"{_NAMES[k]}: {f.reason}" for k, f in found.items())
+    if not_graded:
+        reason += f" ({_ungraded(not_graded)})"
+    # Strata that could not reach significance at their share and were dropped for the others' sake.
+    dropped = {kind: [len(s) for s in strata[kind]] for kind in graded if kind not in found}
+    if dropped:
+        figures["too_few_to_fail"] = dropped
+        reason += "".join(
+            f" (not graded: {t} {_NAMES[kind]} hits against {r} could not reach significance)"
+            for kind, (t, r) in dropped.items()
+        )
+    return replace(deciding, reason=reason, figures=figures)
+
+
+def _strata(
+    c: _Comparison,
+    strata: dict[str, tuple[list[Sample], list[Sample]]],
+    graded: list[str],
+    alpha: float,
+    runs: int,
+    assumed: Sequence[str],
+) -> dict[str, Finding]:
+    """Each graded stratum at its share; one that cannot reach significance at it drops out and the rest are run
+    again at the larger share (as `grade` does over graders). The last stratum left is kept either way."""
+    while True:
+        found = {kind: _judge(c, kind, *strata[kind], alpha / len(graded), runs, assumed) for kind in graded}
+        usable = [k for k, f in found.items() if f.status in (Status.PASS, Status.FAIL)]
+        if len(graded) == 1 or usable == graded:
+            return found
+        graded = usable or graded[:1]
+
+
+def _judge(
+    c: _Comparison, kind: str, t: list[Sample], r: list[Sample], alpha: float, runs: int, assumed: Sequence[str]
+) -> Finding:
     worst = sorted(t, key=lambda s: -s.deviation)[:5]
-    return with_positions(
-        n,
-        judge_samples(
-            c.check,
-            t,
-            r,
-            alpha=alpha,
-            what=f"treatment {c.region} hits",
-            against="the reference's",
-            assumed=grading.yardstick_assumed,
-            runs=len(history.plans),
-            hint=f"replay conversations {[s.unit for s in worst]} (the largest deviations) from the run folder's "
-            "replay/",
-        ),
+    what = f"treatment {c.region} hits" if len(c.pairs) == 1 else f"treatment {c.region} {_NAMES[kind]} hits"
+    return judge_samples(
+        c.check,
+        t,
+        r,
+        alpha=alpha,
+        what=what,
+        against="the reference's",
+        assumed=assumed,
+        runs=runs,
+        hint=f"replay conversations {[s.unit for s in worst]} (the largest deviations) from the run folder's replay/",
     )
+
+
+_NAMES = {Kind.PROBE: "probe", Kind.TURN2: "turn-2"}
+
+
+def _ungraded(counts: dict[str, int]) -> str:
+    kinds = ", ".join(f"{n} {_NAMES[kind]}" for kind, n in counts.items())
+    return f"not graded: {kinds} hits of the treatment, which the reference has none of to compare with"
 
 
 def _recalled(text: str, answer: str) -> bool:
