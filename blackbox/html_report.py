@@ -361,16 +361,29 @@ def _flagged_conversations(folder: RunFolder) -> dict[int, list[str]]:
     return out
 
 
+def _race_rounds(folder: RunFolder) -> str:
+    fig = folder.figures("race-divergence")
+    if (folder.finding("race-divergence") or {}).get("status") in (None, "PASS"):
+        return ""
+    rounds = sorted({int(m["unit"]) for m in fig.get("mismatches") or []})
+    return f"<p>Cold-race rounds counted against the treatment: {_e(', '.join(map(str, rounds)) or 'none')}.</p>"
+
+
 def _flagged(folder: RunFolder) -> str:
     flagged = _flagged_conversations(folder)
     replays = sorted((folder.path / "replay").glob("*.sh"))
+    race = _race_rounds(folder)
     if not flagged:
         example = f" ({len(replays)} replay scripts of one conversation are kept as an example)" if replays else ""
-        return f"<section><h2>Flagged conversations</h2><p>None{_e(example)}.</p>{_replays(folder, replays)}</section>"
+        return (
+            f"<section><h2>Flagged conversations</h2><p>None{_e(example)}.</p>{race}{_replays(folder, replays)}"
+            "</section>"
+        )
     parts = [
+        race,
         f"<p>{len(flagged)} conversation(s) counted against the treatment: {_e(', '.join(map(str, sorted(flagged))))}."
         " Each replay script re-sends one request (the API key is read from the variable or file the run used, "
-        "never stored).</p>"
+        "never stored).</p>",
     ]
     for conv in sorted(flagged)[:_DETAILED]:
         kinds = list(dict.fromkeys(flagged[conv]))

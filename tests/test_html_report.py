@@ -135,3 +135,16 @@ def test_a_folder_from_before_request_start_times_draws_requests_in_order(tmp_pa
     page = html_report.render(run_dir)
     assert "This run folder stores no request start times: requests are in the order recorded." in page
     assert page.count("<img ") == 5
+
+
+def test_a_cold_race_fail_lists_its_rounds_not_conversations(tmp_path: Path) -> None:
+    run_dir = _setup_error_folder(tmp_path)
+    race = Finding.from_error(
+        "race-divergence",
+        errors.CorruptionDetected("follow-ups deviate more than the cold racers'"),
+        mismatches=[{"unit": 4, "kind": "follow-0", "deviation": 1.5}, {"unit": 1, "kind": "follow-2", "deviation": 2}],
+    )
+    (run_dir / "verdict.json").write_text(json.dumps(merge([race]).to_json()))
+    page = html_report.render(run_dir)
+    assert "Cold-race rounds counted against the treatment: 1, 4." in page
+    assert "<h3>Conversation" not in page
