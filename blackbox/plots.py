@@ -10,10 +10,12 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import matplotlib
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 __all__ = ["Request", "Resume", "acceptance", "deviations", "resumes", "timeline"]
 
@@ -23,7 +25,14 @@ FLAGGED = "#d62728"
 plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False, "axes.spines.right": False})
 
 
-def _svg(fig: Figure) -> str:
+def _plain(axis: Any) -> None:
+    """Tick labels as plain numbers: matplotlib's default 10^x labels go through mathtext, a third of the cost."""
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _svg(fig: Figure, margins: Mapping[str, float]) -> str:
+    fig.subplots_adjust(**margins)  # fixed margins: a layout engine would draw every figure twice more
     out = io.StringIO()
     fig.savefig(out, format="svg", metadata={"Date": None})
     plt.close(fig)
@@ -48,7 +57,7 @@ def deviations(
     def place(v: float) -> float:
         return floor if v <= 0 else ceiling if v == math.inf else v
 
-    fig, ax = plt.subplots(figsize=(7.5, 3.6), layout="constrained")
+    fig, ax = plt.subplots(figsize=(7.5, 3.6), layout=None)
     for values, label, colour in ((subject, labels[0], ARM_COLOURS["treatment"]), (yardstick, labels[1], "#2ca02c")):
         if values:
             placed = sorted(place(v) for v in values)
@@ -71,13 +80,14 @@ def deviations(
     ax.annotate("identical", (floor, 1.0), fontsize=7, color="#777", ha="left", va="top")
     ax.annotate("confident flip", (ceiling, 1.0), fontsize=7, color="#777", ha="right", va="top")
     ax.set_xscale("log")
+    _plain(ax.xaxis)
     ax.set_xlim(floor / 1.5, ceiling * 1.5)
     ax.set_ylim(0, 1.04)
     ax.set_xlabel("deviation of the hit from its recomputation (nat, log scale)")
     ax.set_ylabel("fraction of hits ≤ x")
     ax.set_title(title, fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
-    return _svg(fig)
+    return _svg(fig, {"left": 0.09, "right": 0.98, "bottom": 0.14, "top": 0.91})
 
 
 @dataclass(frozen=True)
@@ -92,7 +102,7 @@ class Resume:
 
 
 def resumes(rows: Sequence[Resume], block_size: int) -> str:
-    fig, ax = plt.subplots(figsize=(7.5, 1.6 + 0.16 * len(rows)), layout="constrained")
+    fig, ax = plt.subplots(figsize=(7.5, 1.6 + 0.16 * len(rows)), layout=None)
     ys = list(range(len(rows)))
     ax.barh(ys, [r.prompt_tokens for r in rows], color="#d9d9d9", height=0.7, label="turn-1 prompt (prefill-written)")
     ax.barh(
@@ -103,8 +113,8 @@ def resumes(rows: Sequence[Resume], block_size: int) -> str:
         height=0.7,
         label="turn-1 answer (decode-written)",
     )
-    for arm, marker in (("treatment", "o"), ("reference", "x")):
-        points = [(c, y, r.flagged) for r, y in zip(rows, ys, strict=True) if (c := r.cached.get(arm)) is not None]
+    for arm, marker, dy in (("treatment", "o", -0.18), ("reference", "x", 0.18)):  # side by side, not on top
+        points = [(c, y + dy, r.flagged) for r, y in zip(rows, ys, strict=True) if (c := r.cached.get(arm)) is not None]
         if points:
             ax.scatter(
                 [p[0] for p in points],
@@ -119,20 +129,21 @@ def resumes(rows: Sequence[Resume], block_size: int) -> str:
     ax.invert_yaxis()
     ax.set_ylabel("conversation")
     ax.set_xlabel(f"tokens (block {block_size}); a hit past the grey bar resumed from decode-written blocks")
-    fig.legend(loc="outside lower center", ncol=2, fontsize=8)
-    ax.set_title("Where each turn-2 hit resumed (red: a flagged conversation)", fontsize=10)
-    return _svg(fig)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8, frameon=False)
+    height = 1.6 + 0.16 * len(rows)
+    fig.suptitle("Where each turn-2 hit resumed (red: a flagged conversation)", fontsize=10)
+    return _svg(fig, {"left": 0.09, "right": 0.98, "bottom": 0.5 / height, "top": 1 - 0.75 / height})
 
 
 def acceptance(per_position: Mapping[str, float]) -> str:
     positions = sorted(per_position, key=lambda k: int(k) if k.isdigit() else k)
-    fig, ax = plt.subplots(figsize=(5.0, 2.6), layout="constrained")
+    fig, ax = plt.subplots(figsize=(5.0, 2.6), layout=None)
     ax.bar([str(p) for p in positions], [per_position[p] for p in positions], color=ARM_COLOURS["treatment"])
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("draft position")
     ax.set_ylabel("accepted / drafts")
     ax.set_title("Drafter acceptance by position (treatment)", fontsize=10)
-    return _svg(fig)
+    return _svg(fig, {"left": 0.14, "right": 0.97, "bottom": 0.18, "top": 0.88})
 
 
 @dataclass(frozen=True)
@@ -152,7 +163,7 @@ def timeline(
 ) -> str:
     """Each request's latency at its start time, a mark per retry, and shaded stretches in which no request
     finished for at least a heartbeat (where the console printed 'still waiting')."""
-    fig, ax = plt.subplots(figsize=(7.5, 3.4), layout="constrained")
+    fig, ax = plt.subplots(figsize=(7.5, 3.4), layout=None)
     for arm in sorted({r.arm for r in requests}):
         mine = [r for r in requests if r.arm == arm and r.ok]
         ax.scatter([r.started_s for r in mine], [r.elapsed_s for r in mine], s=8, label=arm, color=ARM_COLOURS.get(arm))
@@ -170,8 +181,9 @@ def timeline(
             if b - a >= heartbeat_s:
                 ax.axvspan(a, b, color="#fdd0a2", alpha=0.6, zorder=0)
     ax.set_yscale("symlog", linthresh=1.0)
+    _plain(ax.yaxis)
     ax.set_ylabel("latency (s)")
     ax.set_xlabel("request number, in the order recorded" if ordered else "request start (s from the run's start)")
-    ax.set_title("Requests: latency, retries, stretches with no answer for a heartbeat", fontsize=10)
-    fig.legend(loc="outside lower center", fontsize=8, ncol=6)
-    return _svg(fig)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8, ncol=6, frameon=False)
+    fig.suptitle("Requests: latency, retries, stretches with no answer for a heartbeat", fontsize=10)
+    return _svg(fig, {"left": 0.09, "right": 0.98, "bottom": 0.15, "top": 0.8})
