@@ -268,6 +268,8 @@ def _deviation_plot(folder: RunFolder, c: Any, plots: Any) -> Drawn:
         return None, found
     t, r, n = found
     fig = folder.figures(c.check)
+    status = (folder.finding(c.check) or {}).get("status", "not judged")
+    failed = status == "FAIL"
     counted = {(int(m["unit"]), m.get("kind")) for m in fig.get("mismatches") or []}
     ranked = sorted((s.deviation for s in r), reverse=True)
     largest = fig.get("detectable_deviation", ranked[0])
@@ -281,12 +283,17 @@ def _deviation_plot(folder: RunFolder, c: Any, plots: Any) -> Drawn:
         flagged=[(s.unit, s.label) in counted for s in t],
         thresholds=thresholds,
         title=f"{c.check}: {c.region} hits, treatment vs reference",
+        flagged_label="counted against it" if failed else "listed by the grader",
     )
-    status = (folder.finding(c.check) or {}).get("status", "not judged")
     return svg, (
         f"{c.check} ({status}): how far each {c.region} hit deviates from its recomputation on the same server, "
         f"over the first {n} answer positions "
-        f"(red: hits the grader counted against the treatment; dashed: its exceedance thresholds)."
+        + (
+            "(red: hits the grader counted against the treatment; "
+            if failed
+            else "(red: hits the grader lists, beyond the reference's largest or counted, not significant together; "
+        )
+        + "dashed: its exceedance thresholds)."
     )
 
 
@@ -576,6 +583,8 @@ def _num(value: Any) -> str:
         return "n/a" if value is None else str(value)
     if value == math.inf:
         return "∞"
+    if float(value).is_integer() and abs(value) < 1e12:  # counts: 2730 drafts, not 2.73e+03
+        return str(int(value))
     return f"{value:.3g}"
 
 

@@ -47,6 +47,7 @@ def deviations(
     thresholds: Sequence[tuple[str, float]],
     title: str,
     labels: tuple[str, str] = ("treatment hits", "reference hits"),
+    flagged_label: str = "counted against it",
 ) -> str:
     """ECDFs of the two samples on a log axis. Exact agreement (0) and confident flips (inf) have no place on a
     log axis: they are drawn at a floor and a ceiling marked as such. `flagged[i]` highlights subject[i]."""
@@ -67,9 +68,7 @@ def deviations(
     if marked:
         order = sorted(place(v) for v in subject)
         ys = [(max(i for i, o in enumerate(order) if o == x) + 1) / len(order) for x, _ in marked]
-        ax.scatter(
-            [x for x, _ in marked], ys, color=FLAGGED, zorder=5, s=28, label=f"counted against it ({len(marked)})"
-        )
+        ax.scatter([x for x, _ in marked], ys, color=FLAGGED, zorder=5, s=28, label=f"{flagged_label} ({len(marked)})")
     for i, (name, value) in enumerate(thresholds):
         if 0 < value < math.inf:  # labels on alternate sides, so two close thresholds stay readable
             ax.axvline(value, color="#555", linestyle="--", linewidth=0.9)
@@ -172,7 +171,14 @@ def timeline(
         ax.scatter([r.started_s for r in failed], [r.elapsed_s for r in failed], s=30, marker="x", color=FLAGGED)
         ax.scatter([], [], marker="x", color=FLAGGED, label=f"failed ({len(failed)})")
     ax.axhline(heartbeat_s, color="#555", linestyle="--", linewidth=0.8)
-    ax.annotate(f"heartbeat {heartbeat_s:g} s", (0, heartbeat_s), fontsize=7, color="#555", va="bottom")
+    ax.annotate(
+        f"heartbeat {heartbeat_s:g} s",
+        (0.01, heartbeat_s),
+        xycoords=("axes fraction", "data"),
+        fontsize=7,
+        color="#555",
+        va="bottom",
+    )
     if retries and not ordered:
         ax.plot(retries, [0] * len(retries), "|", color="#ff7f0e", markersize=14, label=f"retries ({len(retries)})")
     if not ordered:
