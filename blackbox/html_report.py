@@ -225,6 +225,7 @@ def _figures(folder: RunFolder) -> str:
         ("prefill-region deviations", lambda: _deviation_plot(folder, graders.EXACTNESS, plots)),
         ("where turn-2 hits resumed", lambda: _resume_plot(folder, plots)),
         ("drafter acceptance", lambda: _acceptance_plot(folder, plots)),
+        ("hit rate by offset", lambda: _offset_plot(folder, plots)),
         ("request timeline", lambda: _timeline_plot(folder, plots)),
     ):
         try:
@@ -331,6 +332,29 @@ def _acceptance_plot(folder: RunFolder, plots: Any) -> Drawn:
         f"{_num(fig.get('drafts'))} drafts, {_num(fig.get('accepted_tokens'))} accepted tokens over the run "
         "(the treatment's /metrics delta)."
     )
+
+
+def _offset_plot(folder: RunFolder, plots: Any) -> Drawn:
+    fig = folder.figures("hit-geometry")
+    table = fig.get("by_offset") or {}
+    if not table:
+        return None, "no hit-geometry sweep in this run (`--probe hit-geometry`)"
+    rates = _offset_rates(table)
+    block = int(fig.get("block_size") or (folder.history.block_size if folder.history else 0))
+    dead = fig.get("offsets_dead") or []
+    caption = "Each prompt of the sweep sent twice; the repeat should hit up to its ceiling."
+    if dead:
+        caption += f" Nothing hit at offsets {', '.join(map(str, dead))}."
+    return plots.hit_rates(rates, block), caption
+
+
+def _offset_rates(table: Mapping[str, Mapping[str, Any]]) -> dict[int, tuple[int, int]]:
+    """Offset -> (repeats that hit, repeats that could: a ceiling above 0)."""
+    rates = {}
+    for offset, row in table.items():
+        reachable = [h for h, c in zip(row.get("hit") or [], row.get("ceiling") or [], strict=False) if c and c > 0]
+        rates[int(offset)] = (sum(1 for h in reachable if h), len(reachable))
+    return rates
 
 
 def _timeline_plot(folder: RunFolder, plots: Any) -> Drawn:

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-__all__ = ["Request", "Resume", "acceptance", "deviations", "resumes", "timeline"]
+__all__ = ["Request", "Resume", "acceptance", "deviations", "hit_rates", "resumes", "timeline"]
 
 matplotlib.use("Agg")  # files only: no display, whatever MPLBACKEND says
 ARM_COLOURS = {"treatment": "#1f77b4", "reference": "#2ca02c", "control": "#9467bd"}
@@ -193,3 +193,21 @@ def timeline(
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8, ncol=6, frameon=False)
     fig.suptitle("Requests: latency, retries, stretches with no answer for a heartbeat", fontsize=10)
     return _svg(fig, {"left": 0.09, "right": 0.98, "bottom": 0.15, "top": 0.8})
+
+
+def hit_rates(rates: Mapping[int, tuple[int, int]], block_size: int) -> str:
+    """Per offset class (tokens past a block boundary where the prompt ends): repeats that hit, of those that
+    could (a ceiling above 0). A class at 0 where others hit is a silent hit-rate loss."""
+    offsets = sorted(rates)
+    shares = [rates[o][0] / rates[o][1] if rates[o][1] else 0.0 for o in offsets]
+    colours = [FLAGGED if rates[o][1] and not rates[o][0] else ARM_COLOURS["treatment"] for o in offsets]  # dead
+    fig, ax = plt.subplots(figsize=(7.5, 2.8), layout=None)
+    dead = [bool(rates[o][1] and not rates[o][0]) for o in offsets]
+    ax.bar([str(o) for o in offsets], [0.03 if d else v for v, d in zip(shares, dead, strict=True)], color=colours)
+    for i, o in enumerate(offsets):
+        ax.annotate(f"{rates[o][0]}/{rates[o][1]}", (i, max(shares[i], 0.03)), ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(0, 1.15)
+    ax.set_xlabel(f"prompt ends this many tokens past a block boundary (block {block_size})")
+    ax.set_ylabel("repeats that hit")
+    ax.set_title("Hit rate by offset (hit-geometry sweep; red: an offset where nothing hit)", fontsize=10)
+    return _svg(fig, {"left": 0.09, "right": 0.98, "bottom": 0.17, "top": 0.88})

@@ -65,6 +65,7 @@ def test_a_folder_without_a_workload_gets_a_banner_and_a_note_per_missing_figure
         "prefill-region deviations",
         "where turn-2 hits resumed",
         "drafter acceptance",
+        "hit rate by offset",
         "request timeline",
     ]
 
@@ -148,3 +149,23 @@ def test_a_cold_race_fail_lists_its_rounds_not_conversations(tmp_path: Path) -> 
     page = html_report.render(run_dir)
     assert "Cold-race rounds counted against the treatment: 1, 4." in page
     assert "<h3>Conversation" not in page
+
+
+def test_a_hit_geometry_sweep_is_drawn_by_offset_from_its_finding(tmp_path: Path) -> None:
+    run_dir = _setup_error_folder(tmp_path)
+    table = {
+        "1": {"prompt_tokens": [17, 33], "hit": [16, 32], "ceiling": [16, 32]},
+        "8": {"prompt_tokens": [24, 40], "hit": [0, 0], "ceiling": [16, 32]},
+        "15": {"prompt_tokens": [15, 31], "hit": [None, 16], "ceiling": [0, 16]},  # the first could not hit
+    }
+    sweep = Finding.from_error(
+        "hit-geometry",
+        errors.CacheNotLive("offsets 8 tokens past one hit nothing"),
+        block_size=16,
+        by_offset=table,
+        offsets_dead=[8],
+    )
+    (run_dir / "verdict.json").write_text(json.dumps(merge([sweep]).to_json()))
+    page = html_report.render(run_dir)
+    assert '<img alt="hit rate by offset"' in page and "Nothing hit at offsets 8." in page
+    assert html_report._offset_rates(table) == {1: (2, 2), 8: (0, 2), 15: (1, 1)}
