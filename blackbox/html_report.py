@@ -225,6 +225,7 @@ def _figures(folder: RunFolder) -> str:
         ("prefill-region deviations", lambda: _deviation_plot(folder, graders.EXACTNESS, plots)),
         ("where turn-2 hits resumed", lambda: _resume_plot(folder, plots)),
         ("drafter acceptance", lambda: _acceptance_plot(folder, plots)),
+        ("hit rate by offset", lambda: _offset_plot(folder, plots)),
         ("request timeline", lambda: _timeline_plot(folder, plots)),
     ):
         try:
@@ -268,6 +269,8 @@ def _deviation_plot(folder: RunFolder, c: Any, plots: Any) -> Drawn:
         return None, found
     t, r, n = found
     fig = folder.figures(c.check)
+    status = (folder.finding(c.check) or {}).get("status", "not judged")
+    failed = status == "FAIL"
     counted = {(int(m["unit"]), m.get("kind")) for m in fig.get("mismatches") or []}
     ranked = sorted((s.deviation for s in r), reverse=True)
     largest = fig.get("detectable_deviation", ranked[0])
@@ -281,12 +284,17 @@ def _deviation_plot(folder: RunFolder, c: Any, plots: Any) -> Drawn:
         flagged=[(s.unit, s.label) in counted for s in t],
         thresholds=thresholds,
         title=f"{c.check}: {c.region} hits, treatment vs reference",
+        flagged_label="counted against it" if failed else "listed by the grader",
     )
-    status = (folder.finding(c.check) or {}).get("status", "not judged")
     return svg, (
         f"{c.check} ({status}): how far each {c.region} hit deviates from its recomputation on the same server, "
         f"over the first {n} answer positions "
-        f"(red: hits the grader counted against the treatment; dashed: its exceedance thresholds)."
+        + (
+            "(red: hits the grader counted against the treatment; "
+            if failed
+            else "(red: hits the grader lists, beyond the reference's largest or counted, not significant together; "
+        )
+        + "dashed: its exceedance thresholds)."
     )
 
 
@@ -326,6 +334,29 @@ def _acceptance_plot(folder: RunFolder, plots: Any) -> Drawn:
     )
 
 
+def _offset_plot(folder: RunFolder, plots: Any) -> Drawn:
+    fig = folder.figures("hit-geometry")
+    table = fig.get("by_offset") or {}
+    if not table:
+        return None, "no hit-geometry sweep in this run (`--probe hit-geometry`)"
+    rates = _offset_rates(table)
+    block = int(fig.get("block_size") or (folder.history.block_size if folder.history else 0))
+    dead = fig.get("offsets_dead") or []
+    caption = "Each prompt of the sweep sent twice; the repeat should hit up to its ceiling."
+    if dead:
+        caption += f" Nothing hit at offsets {', '.join(map(str, dead))}."
+    return plots.hit_rates(rates, block), caption
+
+
+def _offset_rates(table: Mapping[str, Mapping[str, Any]]) -> dict[int, tuple[int, int]]:
+    """Offset -> (repeats that hit, repeats that could: a ceiling above 0)."""
+    rates = {}
+    for offset, row in table.items():
+        reachable = [h for h, c in zip(row.get("hit") or [], row.get("ceiling") or [], strict=False) if c and c > 0]
+        rates[int(offset)] = (sum(1 for h in reachable if h), len(reachable))
+    return rates
+
+
 def _timeline_plot(folder: RunFolder, plots: Any) -> Drawn:
     h = folder.history
     chats = [e for e in h.exchanges if e.conversation >= 0] if h else []
@@ -361,16 +392,29 @@ def _flagged_conversations(folder: RunFolder) -> dict[int, list[str]]:
     return out
 
 
+def _race_rounds(folder: RunFolder) -> str:
+    fig = folder.figures("race-divergence")
+    if (folder.finding("race-divergence") or {}).get("status") in (None, "PASS"):
+        return ""
+    rounds = sorted({int(m["unit"]) for m in fig.get("mismatches") or []})
+    return f"<p>Cold-race rounds counted against the treatment: {_e(', '.join(map(str, rounds)) or 'none')}.</p>"
+
+
 def _flagged(folder: RunFolder) -> str:
     flagged = _flagged_conversations(folder)
     replays = sorted((folder.path / "replay").glob("*.sh"))
+    race = _race_rounds(folder)
     if not flagged:
         example = f" ({len(replays)} replay scripts of one conversation are kept as an example)" if replays else ""
-        return f"<section><h2>Flagged conversations</h2><p>None{_e(example)}.</p>{_replays(folder, replays)}</section>"
+        return (
+            f"<section><h2>Flagged conversations</h2><p>None{_e(example)}.</p>{race}{_replays(folder, replays)}"
+            "</section>"
+        )
     parts = [
+        race,
         f"<p>{len(flagged)} conversation(s) counted against the treatment: {_e(', '.join(map(str, sorted(flagged))))}."
         " Each replay script re-sends one request (the API key is read from the variable or file the run used, "
-        "never stored).</p>"
+        "never stored).</p>",
     ]
     for conv in sorted(flagged)[:_DETAILED]:
         kinds = list(dict.fromkeys(flagged[conv]))
@@ -563,6 +607,8 @@ def _num(value: Any) -> str:
         return "n/a" if value is None else str(value)
     if value == math.inf:
         return "∞"
+    if float(value).is_integer() and abs(value) < 1e12:  # counts: 2730 drafts, not 2.73e+03
+        return str(int(value))
     return f"{value:.3g}"
 
 

@@ -65,6 +65,7 @@ def test_a_folder_without_a_workload_gets_a_banner_and_a_note_per_missing_figure
         "prefill-region deviations",
         "where turn-2 hits resumed",
         "drafter acceptance",
+        "hit rate by offset",
         "request timeline",
     ]
 
@@ -135,3 +136,36 @@ def test_a_folder_from_before_request_start_times_draws_requests_in_order(tmp_pa
     page = html_report.render(run_dir)
     assert "This run folder stores no request start times: requests are in the order recorded." in page
     assert page.count("<img ") == 5
+
+
+def test_a_cold_race_fail_lists_its_rounds_not_conversations(tmp_path: Path) -> None:
+    run_dir = _setup_error_folder(tmp_path)
+    race = Finding.from_error(
+        "race-divergence",
+        errors.CorruptionDetected("follow-ups deviate more than the cold racers'"),
+        mismatches=[{"unit": 4, "kind": "follow-0", "deviation": 1.5}, {"unit": 1, "kind": "follow-2", "deviation": 2}],
+    )
+    (run_dir / "verdict.json").write_text(json.dumps(merge([race]).to_json()))
+    page = html_report.render(run_dir)
+    assert "Cold-race rounds counted against the treatment: 1, 4." in page
+    assert "<h3>Conversation" not in page
+
+
+def test_a_hit_geometry_sweep_is_drawn_by_offset_from_its_finding(tmp_path: Path) -> None:
+    run_dir = _setup_error_folder(tmp_path)
+    table = {
+        "1": {"prompt_tokens": [17, 33], "hit": [16, 32], "ceiling": [16, 32]},
+        "8": {"prompt_tokens": [24, 40], "hit": [0, 0], "ceiling": [16, 32]},
+        "15": {"prompt_tokens": [15, 31], "hit": [None, 16], "ceiling": [0, 16]},  # the first could not hit
+    }
+    sweep = Finding.from_error(
+        "hit-geometry",
+        errors.CacheNotLive("offsets 8 tokens past one hit nothing"),
+        block_size=16,
+        by_offset=table,
+        offsets_dead=[8],
+    )
+    (run_dir / "verdict.json").write_text(json.dumps(merge([sweep]).to_json()))
+    page = html_report.render(run_dir)
+    assert '<img alt="hit rate by offset"' in page and "Nothing hit at offsets 8." in page
+    assert html_report._offset_rates(table) == {1: (2, 2), 8: (0, 2), 15: (1, 1)}
