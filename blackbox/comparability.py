@@ -23,7 +23,7 @@ meaningless, so these are checked in seconds, before any conversation, and a fai
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -90,13 +90,16 @@ async def gather(
 
 
 def check(
-    facts: Mapping[str, ArmFacts], hard_margin: float, infos: Mapping[str, ServerInfo] | None = None
+    facts: Mapping[str, ArmFacts],
+    hard_margin: float,
+    infos: Mapping[str, ServerInfo] | None = None,
+    probes: Sequence[str] = ("multiturn",),
 ) -> list[Finding]:
     """One finding per concern: `comparability` (one model everywhere), `roles` (each server as its role) and,
     given what the servers say of themselves, `yardstick` (the reference computes like the treatment)."""
     found = [_comparable(facts, hard_margin), _roles(facts)]
     if infos is not None:
-        found.append(yardstick.check(infos))
+        found.append(yardstick.check(infos, probes))
     return found
 
 

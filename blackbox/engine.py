@@ -120,17 +120,17 @@ def rejudge(run_dir: Path) -> Rejudged:
     """A stored run judged again by this code, with the settings and the stored pre-run findings it ran with."""
     data, history = load_history(run_dir)
     config = RunConfig.from_json(data)
-    verdict, grades = judge(history, config, _with_yardstick(load_preflight(run_dir), run_dir))
+    verdict, grades = judge(history, config, _with_yardstick(load_preflight(run_dir), run_dir, config.probes))
     return Rejudged(verdict, grades, history, config)
 
 
-def _with_yardstick(preflight: list[Finding], run_dir: Path) -> list[Finding]:
+def _with_yardstick(preflight: list[Finding], run_dir: Path, probes: Sequence[str] = ("multiturn",)) -> list[Finding]:
     """The `yardstick` gate decided again from the stored servers.json, so a run from before the gate (or judged
     by an older list of settings) is judged by this code's list."""
     infos = load_servers(run_dir)
     if infos is None:
         return preflight
-    return [*(f for f in preflight if f.check != "yardstick"), yardstick.check(infos)]
+    return [*(f for f in preflight if f.check != "yardstick"), yardstick.check(infos, probes)]
 
 
 def _quiet(done: int, total: int, note: str) -> None:
@@ -173,7 +173,7 @@ async def _drive(
     store.write_json("servers.json", {arm: info.to_json() for arm, info in infos.items()})
     salt = f"blackbox-{store.path.name}"
     facts = {arm: await comparability.gather(e, before[arm], salt, store.record) for arm, e in endpoints.items()}
-    preflight = comparability.check(facts, config.grading.hard_margin, infos)
+    preflight = comparability.check(facts, config.grading.hard_margin, infos, config.probes)
     store.write_json("preflight.json", [f.to_json() for f in preflight])
     known = [f.max_model_len for f in facts.values() if f.max_model_len is not None]
     geo = geometry.discover(before[Arm.TREATMENT], min(known) if known else None, config.block_size)
