@@ -231,7 +231,12 @@ def _write_replays(
             continue  # a PASS lists nothing to replay; the first conversation is kept as an example below
         flagged.update(int(m["unit"]) for m in f.figures.get("mismatches", ()) or ())
         flagged.update(int(c) for c in f.figures.get("forward_flips", ()) or ())
-    flagged = flagged or {p.index for p in history.plans[:1]} or {r.index for r in history.races[:1]}
+    flagged = (
+        flagged
+        or {p.index for p in history.plans[:1]}
+        or {r.index for r in history.races[:1]}
+        or {e.conversation for e in history.exchanges[:1]}  # a probe with neither: its first request's unit
+    )
     store.write_replays(urls, (e for e in history.exchanges if e.conversation in flagged), key_env, key_file)
 
 
