@@ -213,10 +213,13 @@ def _header(options: str, where: Target) -> str:
         "# Servers bind 127.0.0.1 on the host (network_mode: host); the run folder lands in ./runs.",
     ]
     if where.gpus:
-        lines.append("# The vLLM image needs a release with every flag used (0.29.0 or later): VLLM_IMAGE overrides the tag.")
+        lines.append(
+            "# The vLLM image needs a release with every flag used (0.29.0 or later): VLLM_IMAGE overrides the tag."
+        )
     else:
         lines += [
-            f"# The image is Dockerfile.cpu's, built by .ci/compose-smoke as {CPU_IMAGE} (BLACKBOX_CPU_IMAGE overrides it).",
+            f"# The image is Dockerfile.cpu's, built by .ci/compose-smoke as {CPU_IMAGE} "
+            "(BLACKBOX_CPU_IMAGE overrides it).",
             "# BLACKBOX_FAULT=<name> starts the treatment with that fault injected (servers/vllm_plugin/faults.py).",
         ]
     return "".join(line + "\n" for line in lines)
@@ -245,7 +248,8 @@ def launcher_specs(
             "has_flashinfer": True,  # the vllm-openai image ships it
         }
     elif profile not in CPU_MODELS:  # before build_specs builds or trains a model on this machine
-        raise ValueError(f"profile {profile!r}: the CPU image holds no model for it; use one of {', '.join(CPU_MODELS)}")
+        known = ", ".join(CPU_MODELS)
+        raise ValueError(f"profile {profile!r}: the CPU image holds no model for it; use one of {known}")
     elif gpus:
         raise ValueError(f"profile {profile!r} runs on CPU: drop --gpus")
     else:

@@ -171,7 +171,8 @@ def test_plugins_are_refused_in_the_gpu_image() -> None:
     spec = FutureSpec("treatment", 8400, (), {"BLACKBOX_VLLM_PLUGINS": "faults"})
     with pytest.raises(ValueError, match="not installed in"):
         services([spec], model="m")
-    assert services([spec], model="m", where=CPU_TARGET)["treatment"]["environment"]["BLACKBOX_VLLM_PLUGINS"] == "faults"
+    env = services([spec], model="m", where=CPU_TARGET)["treatment"]["environment"]
+    assert env["BLACKBOX_VLLM_PLUGINS"] == "faults"
 
 
 # The CPU file: what .ci/compose-smoke runs, from the same generator.
