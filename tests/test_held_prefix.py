@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import tests.histories as h
+import histories as h
 from blackbox import gates, graders
 from blackbox.config import Grading, RunConfig
 from blackbox.history import Arm, Exchange, History

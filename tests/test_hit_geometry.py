@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-import tests.histories as h
+import histories as h
 from blackbox import gates, graders
 from blackbox.config import Grading
 from blackbox.history import Arm, History
