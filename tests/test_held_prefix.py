@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-import histories as h
 from blackbox import gates, graders
 from blackbox.config import Grading, RunConfig
 from blackbox.history import Arm, Exchange, History
 from blackbox.probes import held_prefix as held
 from blackbox.store import RunStore, load_history
 from blackbox.verdict import Status, merge
+
+import histories as h
 
 GRADING = Grading()
 PROBES = ("held-prefix",)

@@ -7,12 +7,13 @@ from collections.abc import Callable
 
 import pytest
 
-import histories as h
 from blackbox import gates, graders
 from blackbox.config import Grading
 from blackbox.history import Arm, History
 from blackbox.probes import hit_geometry as geo
 from blackbox.verdict import Status, merge
+
+import histories as h
 
 GRADING = Grading()
 PROBES = ("hit-geometry",)
