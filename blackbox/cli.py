@@ -31,6 +31,8 @@ from blackbox.workload import Shape
 
 __all__ = ["main"]
 
+DEFAULT_DETECT = 0.34  # the fraction of decode-region hits a default 32-conversation run's PASS covers
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -46,6 +48,29 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=RunConfig.reference_ratio,
         help="the reference runs this many times the treatment's conversations (default 2): a larger yardstick "
         "lets the logprob grader see corruption in fewer hits",
+    )
+    p.add_argument(
+        "--detect",
+        type=float,
+        nargs="?",
+        const=DEFAULT_DETECT,
+        metavar="Q",
+        help="stop when the answer is known: conversations in rounds, a look after each, until corruption is "
+        "established (FAIL) or a PASS could have seen it in a fraction Q of decode-region hits (default "
+        f"{DEFAULT_DETECT}, what a 32-conversation run covers), or the budget ends it (UNKNOWN); replaces "
+        "--conversations",
+    )
+    p.add_argument(
+        "--round",
+        type=int,
+        default=RunConfig.round_conversations,
+        help=f"conversations per round with --detect (default {RunConfig.round_conversations})",
+    )
+    p.add_argument(
+        "--max-conversations",
+        type=int,
+        default=RunConfig.max_conversations,
+        help=f"the budget with --detect (default {RunConfig.max_conversations}); alpha is spent over its looks",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs"), help="parent folder of run folders (default runs/)")
@@ -162,6 +187,9 @@ def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | 
         reference=urls.get("reference"),
         model=model,
         conversations=args.conversations,
+        detect=args.detect,
+        round_conversations=args.round,
+        max_conversations=args.max_conversations,
         reference_ratio=args.reference_ratio,
         seed=args.seed,
         concurrency=args.concurrency,
@@ -184,10 +212,13 @@ def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | 
 def _check(args: argparse.Namespace) -> None:
     """Flags that RunConfig does not see, checked before any folder is made or server contacted."""
     inputs.check_out_dir(args.out)
-    for flag in ("conversations", "concurrency", "racers", "prompt_blocks", "answer_blocks"):
+    for flag in ("conversations", "concurrency", "racers", "prompt_blocks", "answer_blocks", "round"):
         inputs.positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
     inputs.positive("--block-size", args.block_size)
     inputs.positive("--max-num-batched-tokens", args.max_num_batched_tokens)
+    inputs.positive("--max-conversations", args.max_conversations)
+    if args.detect is not None:
+        inputs.probability("--detect", args.detect)
     inputs.probability("--alpha", args.alpha)
     inputs.probability("--min-trigger-fraction", args.min_trigger_fraction, closed=True)
 

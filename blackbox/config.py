@@ -8,6 +8,7 @@ from typing import Any
 
 from blackbox import inputs, secrets
 from blackbox.errors import UsageError
+from blackbox.sequential import Schedule
 from blackbox.workload import Shape
 
 __all__ = ["GRADERS", "PROBES", "Grading", "RaceSettings", "RunConfig"]
@@ -82,6 +83,12 @@ class RunConfig:
     deadline_s: float | None = None  # the whole run, set-up to verdict; None: no limit
     heartbeat_s: float = 15.0  # a line on stderr while a request has waited this long
     scrape_s: float = 5.0  # /metrics of every server this often during the run, so a restart is caught
+    # A run that stops when the answer is known (blackbox.sequential): None is the fixed-length run of
+    # `conversations`; else the fraction of decode-region hits a PASS must be able to see corrupted, with rounds
+    # of `round_conversations` up to `max_conversations`.
+    detect: float | None = None
+    round_conversations: int = 16
+    max_conversations: int = 160
 
     def __post_init__(self) -> None:
         _require(self.conversations >= 1, "--conversations must be at least 1")
@@ -112,6 +119,26 @@ class RunConfig:
         )
         _require(self.shape.answer_blocks >= 1, "--answer-blocks must be at least 1")
         _check_reliability(self)
+        if self.detect is not None:
+            _require(0 < self.detect < 1, "--detect must be a fraction of hits between 0 and 1, e.g. 0.2")
+            _require(self.round_conversations >= 1, "--round must be at least 1")
+            _require(
+                self.max_conversations >= self.round_conversations,
+                "--max-conversations must be at least --round",
+            )
+            _require("multiturn" in self.probes, "--detect needs the multiturn probe: its conversations are the rounds")
+
+    @property
+    def schedule(self) -> Schedule | None:
+        """The planned looks of a run with --detect; None for a fixed-length run."""
+        if self.detect is None:
+            return None
+        return Schedule(self.round_conversations, self.max_conversations, self.grading.alpha, self.reference_ratio)
+
+    @property
+    def yardstick_base(self) -> int:
+        """The index the reference's extra conversations are numbered from (past every treatment conversation)."""
+        return self.conversations if self.detect is None else self.max_conversations
 
     @property
     def api_key(self) -> str | None:

@@ -11,13 +11,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from blackbox import comparability, errors, gates, geometry, guard, probes, yardstick
+from blackbox import comparability, errors, gates, geometry, guard, probes, sequential, yardstick
 from blackbox.client import Endpoint
 from blackbox.config import RunConfig
 from blackbox.graders import Grades, grade
 from blackbox.history import Arm, Exchange, History
-from blackbox.metrics import MetricsDelta
+from blackbox.metrics import MetricsDelta, MetricsSnapshot
 from blackbox.probes.base import DriveContext, Driven, Progress, settle
+from blackbox.server_info import ServerInfo
 from blackbox.store import RunStore, load_history, load_preflight, load_servers
 from blackbox.verdict import Finding, Status, Verdict, merge
 
@@ -97,13 +98,25 @@ async def _run(config: RunConfig, store: RunStore, progress: Progress) -> RunRes
 
 def judge(history: History, config: RunConfig, preflight: Sequence[Finding] = ()) -> tuple[Verdict, Grades]:
     """Gates, then graders, over a history: the whole verdict, from data alone. No grader runs when a gate
-    failed (see `verdict.merge`)."""
+    failed (see `verdict.merge`). A run with --detect is judged look by look (`blackbox.sequential`)."""
+    schedule = config.schedule
+    if schedule is None or config.detect is None:
+        return _judge_at(history, config, preflight, config.grading.alpha)
+    verdict, grades = sequential.judge(
+        history, schedule, config.detect, lambda h, alpha: _judge_at(h, config, preflight, alpha)
+    )
+    return verdict, grades
+
+
+def _judge_at(
+    history: History, config: RunConfig, preflight: Sequence[Finding], alpha: float
+) -> tuple[Verdict, Grades]:
     premises = [*preflight, *gates.all_gates(history, config.grading, config.probes)]
     if any(f.status is not Status.PASS for f in premises):
         grades = Grades((), (), (("all graders", "not run: a gate failed"),))
     else:
         assumed = next((f.figures.get("assumed_alike") or () for f in preflight if f.check == "yardstick"), ())
-        grading = dataclasses.replace(config.grading, yardstick_assumed=tuple(assumed))
+        grading = dataclasses.replace(config.grading, alpha=alpha, yardstick_assumed=tuple(assumed))
         grades = grade(history, grading, config.probes)
     return merge([*premises, *grades.findings]), grades
 
@@ -153,10 +166,12 @@ def _phase(progress: Progress, name: str, total: int, by_probe: Mapping[str, Dri
 
 
 def _planned(config: RunConfig, endpoints: Mapping[str, Endpoint]) -> int:
-    """Conversations the run drives, the reference's yardstick extras included (none without multiturn)."""
+    """Conversations the run drives, the reference's yardstick extras included (none without multiturn); a run
+    with --detect counts its whole budget, which it may not need."""
     if "multiturn" not in config.probes:
         return 0
-    return config.conversations * (config.reference_ratio if Arm.REFERENCE in endpoints else 1)
+    n = config.conversations if config.schedule is None else config.max_conversations
+    return n * (config.reference_ratio if Arm.REFERENCE in endpoints else 1)
 
 
 async def _drive(
@@ -188,23 +203,91 @@ async def _drive(
 
     ctx = DriveContext(config, endpoints, geo, salt, record, progress, store)
     by_probe: dict[str, Driven] = {}
-    for probe in probes.selected(config.probes):
+    chosen = probes.selected(config.probes)
+    schedule = config.schedule
+    for probe in chosen:
+        if schedule is not None and probe.name == "multiturn":
+            continue  # driven in rounds below, after the probes that run once
         # The multiturn probe counts the run's conversations; the others are phases of the same line.
         phase = progress if probe.name == "multiturn" else _phase(progress, probe.name, total, by_probe)
         by_probe[probe.name] = done = await probe.drive(dataclasses.replace(ctx, progress=phase))
         if done.data is not None:
             store.write_json(f"probes/{probe.name}.json", done.data)
+    if schedule is None:
+        progress(_sent(by_probe), total, "waiting for counters to settle")
+        return await _history(config, endpoints, store, geo, infos, before, by_probe), geo, preflight
+    return await _rounds(ctx, schedule, by_probe, before, infos, preflight, total), geo, preflight
+
+
+async def _rounds(
+    ctx: DriveContext,
+    schedule: sequential.Schedule,
+    by_probe: dict[str, Driven],
+    before: Mapping[str, MetricsSnapshot],
+    infos: Mapping[str, ServerInfo],
+    preflight: Sequence[Finding],
+    total: int,
+) -> History:
+    """The multiturn probe a round at a time, judged after each round at that look's level, until a look stops
+    the run, the schedule ends, or the next round would not finish before --deadline (blackbox.sequential)."""
+    config, store, progress = ctx.config, ctx.store, ctx.progress
+    detect = config.detect
+    assert detect is not None
+    deadline = None if config.deadline_s is None else time.monotonic() + config.deadline_s
+    sent, rounds = 0, []
+    history: History | None = None
+    for k, n in enumerate(schedule.looks, 1):
+        began = time.monotonic()
+
+        def line(done: int, of: int, note: str, so_far: int = _sent(by_probe), k: int = k) -> None:
+            progress(so_far + done, total, f"look {k}/{len(schedule.looks)}: {note}")
+
+        rounds.append(await probes.PROBES["multiturn"].drive(dataclasses.replace(ctx, units=(sent, n), progress=line)))
+        sent = n
+        by_probe["multiturn"] = merged = Driven(
+            exchanges=tuple(e for r in rounds for e in r.exchanges),
+            plans=tuple(p for r in rounds for p in r.plans),
+            yardstick=tuple(p for r in rounds for p in r.yardstick),
+        )
+        store.write_plans(merged.plans, merged.yardstick)
+        history = await _history(config, ctx.endpoints, store, ctx.geometry, infos, before, by_probe)
+        verdict, _ = _judge_at(history, config, preflight, schedule.level(k))
+        q = sequential.coverage(verdict)
+        progress(
+            _sent(by_probe),
+            total,
+            f"look {k}: {verdict.status.value}" + (f", covers {q:.0%} of hits" if q is not None else ""),
+        )
+        if sequential.stops(verdict, detect):
+            break
+        elapsed = time.monotonic() - began
+        if deadline is not None and time.monotonic() + 1.5 * elapsed + config.settle_s > deadline:
+            progress(_sent(by_probe), total, "the next round would end past --deadline: stopping")
+            break
+    assert history is not None
+    return history
+
+
+async def _history(
+    config: RunConfig,
+    endpoints: Mapping[str, Endpoint],
+    store: RunStore,
+    geo: geometry.Geometry,
+    infos: Mapping[str, ServerInfo],
+    before: Mapping[str, MetricsSnapshot],
+    by_probe: Mapping[str, Driven],
+) -> History:
+    """The run's history from what the probes drove, with every server's counters settled since `before`."""
     driven = list(by_probe.values())
-    plans = [p for d in driven for p in d.plans]
-    progress(_sent(by_probe), total, "waiting for counters to settle")
-    after = {arm: await settle(e, config.settle_s) for arm, e in endpoints.items()}
+    settled = await asyncio.gather(*(settle(e, config.settle_s) for e in endpoints.values()))
+    after = dict(zip(endpoints, settled, strict=True))
     for arm, snap in after.items():
         store.write_text(f"metrics/{arm}-after.prom", snap.text)
     # Every scrape in between too (periodic ones included), so a restart that the counters outgrew is caught.
     deltas = {arm: MetricsDelta(before[arm], after[arm], tuple(endpoints[arm].scrapes)) for arm in endpoints}
-    history = History(
+    return History(
         geo.block_size,
-        tuple(plans),
+        tuple(p for d in driven for p in d.plans),
         tuple(e for d in driven for e in d.exchanges),
         deltas,
         tuple(r for d in driven for r in d.races),
@@ -214,7 +297,6 @@ async def _drive(
         tuple(p for d in driven for p in d.yardstick),
         {name: d.data for name, d in by_probe.items() if d.data is not None},
     )
-    return history, geo, preflight
 
 
 def _write_replays(

@@ -151,8 +151,10 @@ class _TailNull:
     @functools.lru_cache(maxsize=512)
     def of(n1: int, n2: int, ranks: int) -> _TailNull:
         m = np.arange(n1 + 1)
+        # P(M_k >= m) as the tail sum of the closed-form pmf: scipy's nhypergeom.sf sums the pmf anew for each m,
+        # which is quadratic in n1; summed from the tail up, small tails keep their precision.
         p_k = tuple(
-            tuple(float(v) for v in np.where(m > 0, sp.nhypergeom.sf(m - 1, n1 + n2, n1, k), 1.0))
+            tuple(float(v) for v in np.minimum(1.0, np.cumsum(sp.nhypergeom.pmf(m, n1 + n2, n1, k)[::-1])[::-1]))
             for k in range(1, ranks + 1)
         )
         return _TailNull(n1, n2, ranks, p_k)
@@ -211,16 +213,13 @@ def detectable_fraction(n: int, critical: int | None, power: float = 0.95) -> fl
     `critical` corrupted units with probability `power` (binomial tail). None when no fraction can."""
     if critical is None or critical > n:
         return None
-    lo, hi = 0.0, 1.0
-    if sp.binom.sf(critical - 1, n, hi) < power:
-        return None
-    for _ in range(40):  # bisection on a monotone tail
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sp.binom.sf(critical - 1, n, mid) < power else (lo, mid)
-    return hi
+    if critical <= 0:
+        return 0.0
+    # P(Bin(n, q) >= c) is the regularised incomplete beta I_q(c, n - c + 1), increasing in q: the fraction is its
+    # quantile at `power` (the identity behind the Clopper-Pearson interval), one scipy call instead of a search.
+    return float(sp.beta.ppf(power, critical, n - critical + 1))
 
 
-@functools.lru_cache(maxsize=256)  # planning figures for the same run shape recur (every PASS states two)
 def conversations_needed(
     conversations: int,
     units: int,
@@ -237,15 +236,24 @@ def conversations_needed(
     beyond this run's largest it is caught less often, since a larger yardstick reaches further
     (`power_just_beyond`)."""
     yield_ = units / conversations if conversations and units else 0.5
-    n_conv = max(2, conversations)
-    while n_conv <= 4096:
+
+    def enough(n_conv: int) -> bool:
         n = max(1, math.floor(n_conv * yield_))
         crit = exceedance_critical(n, max(1, round(n * ratio)), alpha, ranks=ranks)
         q = detectable_fraction(n, crit, power) if crit is not None and fraction is not None else None
-        if crit is not None and (fraction is None or (q is not None and q <= fraction)):
-            return n_conv
-        n_conv += max(1, n_conv // 16)  # coarse steps: the answer is a planning figure, "about N"
-    return None
+        return crit is not None and (fraction is None or (q is not None and q <= fraction))
+
+    # Doubling, then bisection: each look at a length builds the exceedance test's null for it, which costs more
+    # the longer the run, so as few lengths as possible are looked at. The count is a planning figure ("about N").
+    lo, hi = 1, max(2, conversations)
+    while not enough(hi):
+        if hi >= 4096:
+            return None
+        lo, hi = hi, min(4096, 2 * hi)
+    while hi - lo > max(1, lo // 16):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if enough(mid) else (mid, hi)
+    return hi
 
 
 def power_just_beyond(n: int, n_y: int, now: int, alpha: float, fraction: float, ranks: int = 1) -> float:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blackbox.errors import StorageError, UsageError
-from blackbox.history import Exchange
+from blackbox.history import Exchange, Plan
 from blackbox.secrets import Redactor, check_env_name
 
 if TYPE_CHECKING:
@@ -71,6 +71,12 @@ class RunStore:
                 f"cannot write {self.path / name}: {exc.strerror or exc or type(exc).__name__}",
                 hint="free disk space or fix the folder's permissions, then re-run",
             ) from exc
+
+    def write_plans(self, plans: Sequence[Plan], yardstick: Sequence[Plan] = ()) -> None:
+        """The multiturn probe's conversations as planned (`load_history` reads them back)."""
+        self.write_json("plans.json", [p.__dict__ for p in plans])
+        if yardstick:
+            self.write_json("yardstick-plans.json", [p.__dict__ for p in yardstick])
 
     def write_json(self, name: str, data: Any) -> Path:
         text = self.redact(json.dumps(data, indent=2, sort_keys=True, default=str)) + "\n"

@@ -61,6 +61,9 @@ class DriveContext:
     record: Record
     progress: Progress
     store: RunStore
+    # A run with --detect drives the multiturn probe a round at a time: treatment conversations [start, stop)
+    # and the reference's extras that go with them. None: the whole fixed-length run.
+    units: tuple[int, int] | None = None
 
     @property
     def treatment(self) -> Endpoint:

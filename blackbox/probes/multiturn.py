@@ -384,6 +384,17 @@ def recall(history: History, grading: Grading, alpha: float | None = None) -> Fi
     )
 
 
+def _indices(config: RunConfig, has_reference: bool, units: tuple[int, int] | None) -> tuple[range, range]:
+    """Treatment conversations to drive, and the reference's extras that go with them (numbered from
+    `config.yardstick_base`, past every treatment conversation)."""
+    start, stop = units if units is not None else (0, config.conversations)
+    if not has_reference:
+        return range(start, stop), range(0)
+    extra = config.reference_ratio - 1
+    base = config.yardstick_base
+    return range(start, stop), range(base + extra * start, base + extra * stop)
+
+
 async def _multiturn(
     config: RunConfig,
     endpoints: Mapping[str, Endpoint],
@@ -391,16 +402,18 @@ async def _multiturn(
     salt: str,
     record: Record,
     progress: Progress,
-) -> tuple[list[Plan], list[Exchange]]:
-    """Every arm runs conversations 0..n-1; the reference alone runs the yardstick's n..ratio*n-1 as well."""
-    total = config.conversations * (config.reference_ratio if Arm.REFERENCE in endpoints else 1)
+    units: tuple[int, int] | None = None,
+) -> tuple[list[Plan], list[Plan], list[Exchange]]:
+    """Every arm runs the treatment's conversations; the reference alone runs the yardstick's extras as well."""
+    own, extras = _indices(config, Arm.REFERENCE in endpoints, units)
+    total = len(own) + len(extras)
     progress(0, total, f"sizing prompts (block {geo.block_size} tokens)")
     count = endpoints[Arm.TREATMENT].count_tokens
     plans = await gather_bounded(
         config.concurrency * 2,
         *(
             plan_conversation(i, config.seed, config.shape, geo.block_size, geo.max_model_len, count)
-            for i in range(total)
+            for i in (*own, *extras)
         ),
     )
     done = 0
@@ -413,9 +426,13 @@ async def _multiturn(
         return out
 
     # Interleaved (0, n, 2n, 1, n+1, ...) so the treatment is not left idle while the reference runs its extras.
-    order = sorted(plans, key=lambda p: (p.index % config.conversations, p.index))
-    results = await gather_bounded(config.concurrency, *(one(p) for p in order))
-    return list(plans), [e for r in results for e in r]
+    def slot(p: Plan) -> tuple[int, int]:
+        i = p.index - own.start if p.index in own else p.index - extras.start
+        return (i % len(own), 0 if p.index in own else 1 + i // len(own))
+
+    results = await gather_bounded(config.concurrency, *(one(p) for p in sorted(plans, key=slot)))
+    mine = [p for p in plans if p.index in own]
+    return mine, [p for p in plans if p.index not in own], [e for r in results for e in r]
 
 
 async def _conversation(
@@ -456,7 +473,7 @@ async def _conversation(
             out.append(await control)
         return out
 
-    if conv >= config.conversations:  # a yardstick conversation: the reference's alone
+    if conv >= config.yardstick_base:  # a yardstick conversation: the reference's alone
         return await resumed(Arm.REFERENCE)
     chains = [resumed(Arm.TREATMENT)]
     if Arm.REFERENCE in endpoints:
@@ -475,11 +492,11 @@ class Multiturn(Probe):
 
     async def drive(self, ctx: DriveContext) -> Driven:
         config = ctx.config
-        plans, found = await _multiturn(config, ctx.endpoints, ctx.geometry, ctx.salt, ctx.record, ctx.progress)
-        plans, yardstick = plans[: config.conversations], plans[config.conversations :]
-        ctx.store.write_json("plans.json", [p.__dict__ for p in plans])
-        if yardstick:
-            ctx.store.write_json("yardstick-plans.json", [p.__dict__ for p in yardstick])
+        plans, yardstick, found = await _multiturn(
+            config, ctx.endpoints, ctx.geometry, ctx.salt, ctx.record, ctx.progress, ctx.units
+        )
+        if ctx.units is None:  # a run in rounds: the engine writes every round's plans so far
+            ctx.store.write_plans(plans, yardstick)
         return Driven(exchanges=tuple(found), plans=tuple(plans), yardstick=tuple(yardstick))
 
     def gates(self, history: History, grading: Grading) -> list[Finding]:

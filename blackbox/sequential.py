@@ -1,0 +1,211 @@
+"""A run that stops when the answer is known (`--detect Q`): multiturn conversations in rounds, a look after each.
+
+The design is fixed before the first request: rounds of R conversations, at most M, so looks at n_k = k*R
+(k = 1..K, K = ceil(M / R), the last one at M). Look k judges everything sent so far with the run's whole
+verdict rule (gates, then every grader) at alpha_k = alpha * (n_k - n_{k-1}) / M: a linear alpha-spending
+function of the information fraction (Lan & DeMets 1983, the Pocock-type boundary). The run stops at the first
+look whose verdict is
+
+- FAIL: corruption, established at that look's level;
+- PASS with coverage: every gate passed and a grader judging the trigger's hits could have seen corruption in at
+  most Q of them (its `detectable_fraction`, at alpha_k, probability 0.95);
+- ERROR, or a failed gate: the premise is broken and more conversations will not mend it.
+
+Anything else (a PASS that cannot yet promise Q, a grader still short of power) sends the next round. The budget
+(M, or `--deadline`) ends the run UNKNOWN `InsufficientPower`, saying what a longer run would need.
+
+Why this is valid whatever made the run stop: a correct engine reads FAIL at look k with probability at most
+alpha_k (each look's rule is the fixed-length rule at that level), so at any look at most sum alpha_k = alpha
+(the union bound, Bonferroni over planned looks). The bound needs nothing about how the looks depend on each
+other, which matters here: the graders' tests are exact rank, hypergeometric and binomial tests whose statistics
+over successive looks have no normal joint law to compute a tighter boundary from (Jennison & Turnbull, ch. 7, do
+that for normal statistics). It is conservative, and the price is the per-look level alpha/K rather than alpha;
+tests/test_sequential.py measures both the size under the null with this stopping rule (20 000 simulated runs) and
+the inflation of looking at the full alpha each time. A PASS or FAIL from here states the look, the conversations
+it took and the level it was judged at. Stopping for a PASS spends no alpha: only FAIL is an error under the
+null.
+
+A stored run is judged again look by look from its history (`judge`), so `blackbox grade` reproduces where it
+stopped; each look sees the plans and exchanges of its conversations and the run's whole counters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from blackbox import errors, stats
+from blackbox.history import History, Kind
+from blackbox.verdict import Finding, Status, Verdict, merge
+
+__all__ = ["Look", "Schedule", "coverage", "judge", "look", "stops", "subset"]
+
+# What one judgement of a history at a level returns: its verdict, and the grades that go with it.
+Judge = Callable[[History, float], tuple[Verdict, Any]]
+
+# Requests of the multiturn probe, which alone is driven in rounds; other probes' records stay in every look.
+_ROUNDED_KINDS = frozenset({Kind.TURN1, Kind.TURN2, Kind.TURN2_FRESH, Kind.PROBE, Kind.PROBE_FRESH})
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The planned looks: rounds of `round` conversations, at most `maximum`, alpha spent linearly."""
+
+    round: int
+    maximum: int
+    alpha: float
+    ratio: int = 1  # the reference's conversations per treatment conversation
+
+    @property
+    def looks(self) -> tuple[int, ...]:
+        """Treatment conversations at each look."""
+        return tuple(min(self.maximum, k * self.round) for k in range(1, math.ceil(self.maximum / self.round) + 1))
+
+    def level(self, k: int) -> float:
+        """alpha_k of look k (1-based): the share of alpha its round's conversations add."""
+        looks = (0, *self.looks)
+        return self.alpha * (looks[k] - looks[k - 1]) / self.maximum
+
+    def yardstick_range(self, start: int, stop: int) -> range:
+        """Indices of the reference's extra conversations that go with treatment conversations [start, stop):
+        they are numbered from `maximum` on, so every look's yardstick is the same draws whatever the run's
+        length."""
+        extra = self.ratio - 1
+        return range(self.maximum + extra * start, self.maximum + extra * stop)
+
+
+@dataclass(frozen=True)
+class Look:
+    index: int  # 1-based
+    conversations: int
+    alpha: float
+    status: Status
+    error_class: str | None
+    coverage: float | None  # the smallest detectable fraction of the PASS, if it is one
+    stop: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "look": self.index,
+            "conversations": self.conversations,
+            "alpha": self.alpha,
+            "status": self.status.value,
+            "error_class": self.error_class,
+            "coverage": self.coverage,
+            "stop": self.stop,
+        }
+
+
+def coverage(verdict: Verdict) -> float | None:
+    """The smallest fraction of the trigger's hits a PASS could have caught corruption in (with probability
+    `evidence.POWER`), over the graders that judged those hits; None where the verdict is no PASS or none says."""
+    if verdict.status is not Status.PASS:
+        return None
+    fractions = [
+        f.figures.get("detectable_fraction")
+        for f in verdict.findings
+        if f.stage == "grader" and f.covers_trigger and f.status is Status.PASS
+    ]
+    known = [float(q) for q in fractions if q is not None]
+    return min(known, default=None)
+
+
+def stops(verdict: Verdict, detect: float) -> bool:
+    """Whether a look's verdict ends the run (module docstring)."""
+    if verdict.status is Status.PASS:
+        q = coverage(verdict)
+        return q is not None and q <= detect
+    if verdict.status in (Status.FAIL, Status.ERROR):
+        return True
+    # UNKNOWN: a grader short of power is what more conversations mend; a failed gate is not.
+    return any(f.stage != "grader" and f.status is not Status.PASS for f in verdict.findings)
+
+
+def subset(history: History, schedule: Schedule, conversations: int) -> History:
+    """The history as it stood at a look of `conversations` treatment conversations."""
+    keep = {p.index for p in history.plans if p.index < conversations}
+    keep |= {p.index for p in history.yardstick if p.index in schedule.yardstick_range(0, conversations)}
+    return replace(
+        history,
+        plans=tuple(p for p in history.plans if p.index in keep),
+        yardstick=tuple(p for p in history.yardstick if p.index in keep),
+        exchanges=tuple(e for e in history.exchanges if e.kind not in _ROUNDED_KINDS or e.conversation in keep),
+    )
+
+
+def look(verdict: Verdict, k: int, conversations: int, alpha: float, detect: float) -> Look:
+    return Look(k, conversations, alpha, verdict.status, verdict.error_class, coverage(verdict), stops(verdict, detect))
+
+
+def judge(history: History, schedule: Schedule, detect: float, judge_at: Judge) -> tuple[Verdict, Any]:
+    """Every look the history reaches, in order, up to the first that stops: the run's verdict and grades."""
+    sent = len(history.plans)
+    looks: list[Look] = []
+    verdict, grades = None, None
+    for k, n in enumerate(schedule.looks, 1):
+        if n > sent and looks:
+            break
+        alpha = schedule.level(k)
+        verdict, grades = judge_at(subset(history, schedule, n), alpha)
+        looks.append(look(verdict, k, min(n, sent), alpha, detect))
+        if looks[-1].stop:
+            break
+    assert verdict is not None
+    return _final(verdict, looks, schedule, detect), grades
+
+
+def _final(verdict: Verdict, looks: Sequence[Look], schedule: Schedule, detect: float) -> Verdict:
+    last = looks[-1]
+    figures = {
+        "detect": detect,
+        "round": schedule.round,
+        "max_conversations": schedule.maximum,
+        "planned_looks": len(schedule.looks),
+        "alpha": schedule.alpha,
+        "looks": [x.to_json() for x in looks],
+        "stopped_at_look": last.index,
+        "conversations": last.conversations,
+    }
+    where = (
+        f"look {last.index} of {len(schedule.looks)} planned, after {last.conversations} conversations, judged at "
+        f"alpha {last.alpha:.3g} (alpha {schedule.alpha:g} spent linearly over the looks)"
+    )
+    if last.stop:
+        gate = Finding.passed("sequential", f"stopped at {where}", **figures)
+        final = merge([*verdict.findings, gate])
+        if final.status in (Status.PASS, Status.FAIL):
+            final = replace(final, reason=f"{final.reason} [sequential: stopped at {where}]")
+        return final
+    q = "no PASS" if last.coverage is None else f"a PASS covering {last.coverage:.0%} of hits"
+    more = _more(verdict, detect, last)
+    error = errors.InsufficientPower(
+        f"the budget ended the run at {where} with {q}, short of --detect {detect:g}"
+        + (f"; about {more} conversations at this run's yield would reach it" if more else ""),
+        hint=f"raise --max-conversations (to about {more})" if more else "raise --max-conversations or --deadline",
+    )
+    return merge([*verdict.findings, Finding.from_error("sequential", error, **figures, more_needed=more)])
+
+
+def _more(verdict: Verdict, detect: float, last: Look) -> int | None:
+    """Conversations that would promise `detect` at the last look's yield (hits per conversation), yardstick
+    ratio and per-test level: a planning figure for --max-conversations (a longer schedule spends alpha over more
+    looks, so it is a lower bound)."""
+    for f in verdict.findings:
+        fig = f.figures
+        if not (f.stage == "grader" and f.covers_trigger and fig.get("n_subject") and fig.get("alpha_per_test")):
+            continue
+        n_s, n_y = int(fig["n_subject"]), int(fig["n_yardstick"])
+        need = stats.conversations_needed(
+            last.conversations,
+            n_s,
+            float(fig["alpha_per_test"]),
+            detect,
+            0.95,
+            ratio=n_y / n_s,
+            ranks=int(fig.get("exceedance_ranks", 1)),
+        )
+        if need:
+            return int(need)
+    return None
