@@ -136,7 +136,13 @@ def _settings(folder: RunFolder) -> str:
             (
                 "workload",
                 _e(
-                    f"{c.conversations} conversations (reference x{c.reference_ratio}), seed {c.seed}, "
+                    (
+                        f"{c.conversations} conversations"
+                        if c.detect is None
+                        else f"--detect {c.detect:g}: rounds of {c.round_conversations} up to {c.max_conversations} "
+                        f"conversations, sent {len(folder.history.plans) if folder.history else '?'}"
+                    )
+                    + f" (reference x{c.reference_ratio}), seed {c.seed}, "
                     f"probes {', '.join(c.probes)}, alpha {c.grading.alpha:g}"
                 ),
             )

@@ -88,6 +88,8 @@ def test_fault_fires_and_is_caught_by_its_grader(fault: str, cpu_fleet: Fleet, t
                 fleet.urls["treatment"], cpu_fleet, probe, tmp_path / "runs-alone", SEEDS[0], control=False
             )
             assert code == 1 and "logprob" in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
+            if fault == "eagle-overrun":
+                _stops_at_the_first_look(fleet.urls["treatment"], cpu_fleet, tmp_path / "runs-detect")
         else:
             # The cold race needs no other server: its yardstick is the treatment's own cold racers, so the
             # treatment alone (a staging smoke test) sees this fault by the same grader.
@@ -95,6 +97,32 @@ def test_fault_fires_and_is_caught_by_its_grader(fault: str, cpu_fleet: Fleet, t
                 fleet.urls["treatment"], cpu_fleet, probe, tmp_path / "runs-alone", SEEDS[0], alone=True
             )
             assert code == 1 and catcher in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
+
+
+def _stops_at_the_first_look(treatment: str, shared: Fleet, out: Path) -> None:
+    """Issue 24: a run with --detect sends a round, looks, and stops on a dense fault without another round."""
+    code, output, run, verdict = blackbox_cli(
+        out,
+        "--treatment",
+        treatment,
+        "--reference",
+        shared.urls["reference"],
+        "--detect",
+        "0.2",
+        "--round",
+        "8",
+        "--max-conversations",
+        "64",
+        "--seed",
+        "24",
+    )
+    seq = next(f for f in verdict["findings"] if f["check"] == "sequential")
+    assert (code, verdict["error_class"]) == (1, "CorruptionDetected"), output
+    assert seq["figures"]["stopped_at_look"] == 1 and seq["figures"]["planned_looks"] == 8, output
+    assert "look 1 of 8, after 8 conversations" in verdict["reason"], output
+    plans = json.loads((run / "plans.json").read_text())
+    extras = json.loads((run / "yardstick-plans.json").read_text())
+    assert [p["index"] for p in plans] == list(range(8)) and [p["index"] for p in extras] == list(range(64, 72))
 
 
 def test_cold_race_passes_on_a_clean_fragmented_treatment(cpu_fleet: Fleet, tmp_path: Path) -> None:
