@@ -81,15 +81,16 @@ def test_fault_fires_and_is_caught_by_its_grader(fault: str, cpu_fleet: Fleet, t
             assert code == 1, output
             assert verdict["status"] == "FAIL" and verdict["error_class"] == "CorruptionDetected", output
             assert catcher in failing, (seed, failing, output)
-        if probe == "multiturn":
+        if fault == "eagle-overrun":
+            # The single-endpoint mode again, in rounds (--detect): it must stop once the fault is plain.
+            _stops_once_corruption_is_established(fleet.urls["treatment"], cpu_fleet, tmp_path / "runs-detect")
+        elif probe == "multiturn":
             # The single-endpoint mode (no control, a staging smoke test) sees these faults too: logprob needs
             # only the reference as its yardstick.
             code, verdict, output = _blackbox(
                 fleet.urls["treatment"], cpu_fleet, probe, tmp_path / "runs-alone", SEEDS[0], control=False
             )
             assert code == 1 and "logprob" in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
-            if fault == "eagle-overrun":
-                _stops_at_the_first_look(fleet.urls["treatment"], cpu_fleet, tmp_path / "runs-detect")
         else:
             # The cold race needs no other server: its yardstick is the treatment's own cold racers, so the
             # treatment alone (a staging smoke test) sees this fault by the same grader.
@@ -99,8 +100,9 @@ def test_fault_fires_and_is_caught_by_its_grader(fault: str, cpu_fleet: Fleet, t
             assert code == 1 and catcher in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
 
 
-def _stops_at_the_first_look(treatment: str, shared: Fleet, out: Path) -> None:
-    """Issue 24: a run with --detect sends a round, looks, and stops on a dense fault without another round."""
+def _stops_once_corruption_is_established(treatment: str, shared: Fleet, out: Path) -> None:
+    """Issue 24: a run with --detect sends a round at a time and stops at the first look that shows the fault,
+    without another round; no control (a staging smoke test with a reference), so logprob is what sees it."""
     code, output, run, verdict = blackbox_cli(
         out,
         "--treatment",
@@ -114,15 +116,19 @@ def _stops_at_the_first_look(treatment: str, shared: Fleet, out: Path) -> None:
         "--max-conversations",
         "64",
         "--seed",
-        "24",
+        str(SEEDS[0]),
     )
-    seq = next(f for f in verdict["findings"] if f["check"] == "sequential")
+    seq = next(f for f in verdict["findings"] if f["check"] == "sequential")["figures"]
     assert (code, verdict["error_class"]) == (1, "CorruptionDetected"), output
-    assert seq["figures"]["stopped_at_look"] == 1 and seq["figures"]["planned_looks"] == 8, output
-    assert "look 1 of 8, after 8 conversations" in verdict["reason"], output
+    assert "logprob" in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
+    looked, sent = seq["stopped_at_look"], seq["conversations"]
+    assert seq["planned_looks"] == 8 and looked < 8 and sent == 8 * looked, output  # stopped before its budget
+    assert f"look {looked} of 8, after {sent} conversations" in verdict["reason"], output
     plans = json.loads((run / "plans.json").read_text())
     extras = json.loads((run / "yardstick-plans.json").read_text())
-    assert [p["index"] for p in plans] == list(range(8)) and [p["index"] for p in extras] == list(range(64, 72))
+    # Not a round more than the look that decided; the reference's extras numbered past the budget.
+    assert [p["index"] for p in plans] == list(range(sent)), output
+    assert [p["index"] for p in extras] == list(range(64, 64 + sent)), output
 
 
 def test_cold_race_passes_on_a_clean_fragmented_treatment(cpu_fleet: Fleet, tmp_path: Path) -> None:
