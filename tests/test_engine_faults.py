@@ -123,7 +123,7 @@ def _stops_once_corruption_is_established(treatment: str, shared: Fleet, out: Pa
     assert "logprob" in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
     looked, sent = seq["stopped_at_look"], seq["conversations"]
     assert seq["planned_looks"] == 8 and looked < 8 and sent == 8 * looked, output  # stopped before its budget
-    assert f"look {looked} of 8, after {sent} conversations" in verdict["reason"], output
+    assert f"look {looked} of 8 planned, after {sent} conversations" in verdict["reason"], output
     plans = json.loads((run / "plans.json").read_text())
     extras = json.loads((run / "yardstick-plans.json").read_text())
     # Not a round more than the look that decided; the reference's extras numbered past the budget.
