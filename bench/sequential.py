@@ -86,8 +86,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         "# Runs that stop when the answer is known (`--detect`), CPU pair\n",
         "Rebuilt by `bench/sequential.py` from `sequential.jsonl` (each line has its command, date and commit). "
         "*Conversations*: treatment conversations sent before the run stopped (the reference ran twice as many). "
-        "*Fixed needs*: what the PASS sentence of the same run says a fixed-length run would need for 20% and 10% "
-        "at the whole alpha.\n",
+        "*Fixed needs*: what the last look's PASS sentence says a run would need for 20% and 10% at that look's "
+        "level. For comparison, a fixed-length run of 32 conversations (reference 2x) covers about 34% at the whole "
+        "alpha (`bench/results/faults.md`, clean rows).\n",
         "| case | --detect | runs | FAIL | PASS | UNKNOWN/ERROR | conversations (mean, range) | looks | "
         "fixed needs 20% / 10% | wall (mean) |",
         "|---|---|---|---|---|---|---|---|---|---|",
