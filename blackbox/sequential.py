@@ -45,6 +45,7 @@ __all__ = ["Look", "Schedule", "coverage", "judge", "look", "stops", "subset"]
 # What one judgement of a history at a level returns: its verdict, and the grades that go with it.
 Judge = Callable[[History, float], tuple[Verdict, Any]]
 
+_MENDED_BY_MORE = frozenset({"InsufficientPower", "NoEvidence"})
 # Requests of the multiturn probe, which alone is driven in rounds; other probes' records stay in every look.
 _ROUNDED_KINDS = frozenset({Kind.TURN1, Kind.TURN2, Kind.TURN2_FRESH, Kind.PROBE, Kind.PROBE_FRESH})
 
@@ -119,8 +120,12 @@ def stops(verdict: Verdict, detect: float) -> bool:
         return q is not None and q <= detect
     if verdict.status in (Status.FAIL, Status.ERROR):
         return True
-    # UNKNOWN: a grader short of power is what more conversations mend; a failed gate is not.
-    return any(f.stage != "grader" and f.status is not Status.PASS for f in verdict.findings)
+    # UNKNOWN: a grader short of power or evidence is what more conversations mend; a failed gate, a control
+    # that cannot do the task or a grader's crash is not.
+    return any(
+        f.status is not Status.PASS and (f.stage != "grader" or f.error_class not in _MENDED_BY_MORE)
+        for f in verdict.findings
+    )
 
 
 def subset(history: History, schedule: Schedule, conversations: int) -> History:

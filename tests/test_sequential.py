@@ -17,7 +17,7 @@ from blackbox.config import RunConfig
 from blackbox.engine import judge, rejudge
 from blackbox.errors import UsageError
 from blackbox.history import Arm, Exchange, History, Kind
-from blackbox.verdict import Finding, Status, Verdict
+from blackbox.verdict import Finding, Status, Verdict, merge
 
 import histories as h
 import nulls
@@ -113,6 +113,27 @@ def test_a_failed_gate_stops_the_run_at_once() -> None:
     )
     verdict, _ = judge(dead, config(0.05), rf.ROLES)
     assert verdict.error_class == "CacheNotLive" and sequential_finding(verdict).figures["stopped_at_look"] == 1
+
+
+def _verdict(*findings: Finding) -> Verdict:
+    return merge(findings)
+
+
+def test_only_what_more_conversations_can_mend_sends_another_round() -> None:
+    def grader(status: Status, error_class: str | None, q: float | None = None) -> Finding:
+        return Finding(
+            "logprob", status, "", {"detectable_fraction": q}, error_class, stage="grader", covers_trigger=True
+        )
+
+    gate = Finding.passed("trigger", "hits reached decode-written blocks")
+    assert not sequential.stops(_verdict(gate, grader(Status.UNKNOWN, "InsufficientPower")), 0.2)
+    assert not sequential.stops(_verdict(gate, grader(Status.PASS, None, 0.3)), 0.2)
+    assert sequential.stops(_verdict(gate, grader(Status.PASS, None, 0.2)), 0.2)
+    assert sequential.stops(_verdict(gate, grader(Status.UNKNOWN, "ControlQualityFailure")), 0.2)
+    assert sequential.stops(_verdict(gate, grader(Status.UNKNOWN, "GraderCrashed")), 0.2)
+    assert sequential.stops(_verdict(gate, grader(Status.FAIL, "CorruptionDetected")), 0.2)
+    failed_gate = Finding("trigger", Status.UNKNOWN, "no hit reached", {}, "TriggerNotExercised")
+    assert sequential.stops(_verdict(failed_gate, grader(Status.UNKNOWN, "InsufficientPower")), 0.2)
 
 
 def test_a_look_sees_only_its_conversations() -> None:
