@@ -115,10 +115,6 @@ def test_a_failed_gate_stops_the_run_at_once() -> None:
     assert verdict.error_class == "CacheNotLive" and sequential_finding(verdict).figures["stopped_at_look"] == 1
 
 
-def _verdict(*findings: Finding) -> Verdict:
-    return merge(findings)
-
-
 def test_only_what_more_conversations_can_mend_sends_another_round() -> None:
     def grader(status: Status, error_class: str | None, q: float | None = None) -> Finding:
         return Finding(
@@ -126,14 +122,14 @@ def test_only_what_more_conversations_can_mend_sends_another_round() -> None:
         )
 
     gate = Finding.passed("trigger", "hits reached decode-written blocks")
-    assert not sequential.stops(_verdict(gate, grader(Status.UNKNOWN, "InsufficientPower")), 0.2)
-    assert not sequential.stops(_verdict(gate, grader(Status.PASS, None, 0.3)), 0.2)
-    assert sequential.stops(_verdict(gate, grader(Status.PASS, None, 0.2)), 0.2)
-    assert sequential.stops(_verdict(gate, grader(Status.UNKNOWN, "ControlQualityFailure")), 0.2)
-    assert sequential.stops(_verdict(gate, grader(Status.UNKNOWN, "GraderCrashed")), 0.2)
-    assert sequential.stops(_verdict(gate, grader(Status.FAIL, "CorruptionDetected")), 0.2)
+    assert not sequential.stops(merge([gate, grader(Status.UNKNOWN, "InsufficientPower")]), 0.2)
+    assert not sequential.stops(merge([gate, grader(Status.PASS, None, 0.3)]), 0.2)
+    assert sequential.stops(merge([gate, grader(Status.PASS, None, 0.2)]), 0.2)
+    assert sequential.stops(merge([gate, grader(Status.UNKNOWN, "ControlQualityFailure")]), 0.2)
+    assert sequential.stops(merge([gate, grader(Status.UNKNOWN, "GraderCrashed")]), 0.2)
+    assert sequential.stops(merge([gate, grader(Status.FAIL, "CorruptionDetected")]), 0.2)
     failed_gate = Finding("trigger", Status.UNKNOWN, "no hit reached", {}, "TriggerNotExercised")
-    assert sequential.stops(_verdict(failed_gate, grader(Status.UNKNOWN, "InsufficientPower")), 0.2)
+    assert sequential.stops(merge([failed_gate, grader(Status.UNKNOWN, "InsufficientPower")]), 0.2)
 
 
 def test_a_look_sees_only_its_conversations() -> None:
