@@ -48,6 +48,9 @@ ENV = {
     "out": "BLACKBOX_OUT",
     "probe": "BLACKBOX_PROBES",
     "max_num_batched_tokens": "BLACKBOX_MAX_NUM_BATCHED_TOKENS",
+    "detect": "BLACKBOX_DETECT",
+    "round": "BLACKBOX_ROUND",
+    "max_conversations": "BLACKBOX_MAX_CONVERSATIONS",
 }
 _REPLAYS_SHOWN = 3
 _GRADABLE = ("config.json", "geometry.json", "exchanges.jsonl")  # what `blackbox grade` reads
@@ -72,6 +75,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--blackbox-max-num-batched-tokens",
         help="the treatment's step budget, for the cold-race trigger proof [BLACKBOX_MAX_NUM_BATCHED_TOKENS]",
+    )
+    group.addoption(
+        "--blackbox-detect",
+        metavar="Q",
+        help="the multiturn item sends conversations in rounds until a PASS covers this fraction of decode-region "
+        "hits, or a FAIL, or the budget (as `blackbox run --detect`) [BLACKBOX_DETECT]",
+    )
+    group.addoption("--blackbox-round", help="conversations per round with --blackbox-detect [BLACKBOX_ROUND]")
+    group.addoption(
+        "--blackbox-max-conversations",
+        help="the budget with --blackbox-detect, default 160 [BLACKBOX_MAX_CONVERSATIONS]",
     )
 
 
@@ -173,6 +187,15 @@ def blackbox_config(request: pytest.FixtureRequest) -> RunConfig:
             "error, not a skip"
         )
     conversations, seed = _int(cfg, "conversations"), _int(cfg, "seed")
+    rounds = {
+        field: value
+        for field, value in (
+            ("detect", _float(cfg, "detect")),
+            ("round_conversations", _int(cfg, "round")),
+            ("max_conversations", _int(cfg, "max_conversations")),
+        )
+        if value is not None
+    }
     try:
         return RunConfig(
             treatment=treatment,
@@ -183,6 +206,7 @@ def blackbox_config(request: pytest.FixtureRequest) -> RunConfig:
             seed=0 if seed is None else seed,
             probes=tuple(_probes(cfg)),
             max_num_batched_tokens=_int(cfg, "max_num_batched_tokens"),
+            **rounds,
         )
     except BlackboxError as exc:
         raise pytest.UsageError(f"blackbox: {exc}") from exc
@@ -196,6 +220,18 @@ def _int(config: pytest.Config, name: str) -> int | None:
         return int(value)
     except ValueError:
         raise pytest.UsageError(f"blackbox: {name} must be an integer, got {value!r}") from None
+
+
+def _float(config: pytest.Config, name: str) -> float | None:
+    value = _setting(config, name)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise pytest.UsageError(
+            f"blackbox: {name} must be a number, got {value!r} (e.g. 0.2: a fifth of decode-region hits)"
+        ) from None
 
 
 @pytest.fixture(scope="session")
@@ -229,7 +265,9 @@ def _blackbox_runs(request: pytest.FixtureRequest, blackbox_config: RunConfig) -
 
     def run(probe: str) -> RunResult:
         if probe not in done:
-            config = dataclasses.replace(blackbox_config, probes=(probe,))
+            # Rounds are multiturn conversations: the other probes' items run once, at their fixed length.
+            detect = blackbox_config.detect if probe == probes.MULTITURN.name else None
+            config = dataclasses.replace(blackbox_config, probes=(probe,), detect=detect)
             try:
                 done[probe] = execute(config, out, command)
             except FileExistsError:  # run ids have one-second resolution: a run that ended at once collides

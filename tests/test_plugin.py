@@ -176,3 +176,39 @@ def test_the_plugin_runs_each_probe_against_the_cpu_pair(cpu_fleet: Fleet, tmp_p
     assert f"run folder: {run}" in text and "replay: sh " in text, text
     assert f"re-judge: blackbox grade {run}" in text
     assert (run / "verdict.json").is_file()
+
+
+def test_detect_sends_the_multiturn_item_in_rounds_and_leaves_the_other_probes_fixed(tmp_path: Path) -> None:
+    env = {"BLACKBOX_TREATMENT": DEAD_URL, "BLACKBOX_CONTROL": DEAD_URL, "BLACKBOX_DETECT": "0.2"}
+    junit = tmp_path / "junit.xml"
+    code, output = run_pytest(
+        tmp_path,
+        f"--junitxml={junit}",
+        f"--blackbox-out={tmp_path / 'runs'}",
+        "--blackbox-probe=multiturn",
+        "--blackbox-probe=cold-race",
+        "--blackbox-round=8",
+        "--blackbox-max-conversations=40",
+        env=env,
+    )
+    assert code == 1 and "2 errors" in output, output
+    configs = {}
+    for case in junit_cases(junit).values():
+        props = properties(case)
+        run = Path(props["blackbox_run_folder"][0])
+        configs[props["blackbox_probe"][0]] = json.loads((run / "config.json").read_text())
+    assert {k: configs["multiturn"][k] for k in ("detect", "round_conversations", "max_conversations")} == {
+        "detect": 0.2,
+        "round_conversations": 8,
+        "max_conversations": 40,
+    }
+    assert configs["cold-race"]["detect"] is None
+
+
+def test_a_detect_that_is_not_a_fraction_is_a_usage_error_naming_the_option(tmp_path: Path) -> None:
+    env = {"BLACKBOX_TREATMENT": DEAD_URL, "BLACKBOX_CONTROL": DEAD_URL}
+    code, output = run_pytest(tmp_path, "--blackbox-detect=lots", env=env)
+    assert code != 0 and "detect must be a number, got 'lots'" in output, output
+    code, output = run_pytest(tmp_path, env={**env, "BLACKBOX_DETECT": "1.5"})
+    assert code != 0 and "--detect must be a fraction of hits between 0 and 1" in output, output
+    assert "skipped" not in output and " passed" not in output
