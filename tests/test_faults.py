@@ -39,7 +39,7 @@ from servers.vllm_plugin.faults import (
 )
 
 BS = 128
-KNOWN = ("eagle-overrun", "chunk-end-as-boundary", "stale-checkpoint", "concurrent-resume")
+KNOWN = ("eagle-overrun", "chunk-end-as-boundary", "stale-checkpoint", "concurrent-resume", "offset-miss")
 # (module, attribute owner path, attribute) of everything a fault may patch.
 TARGETS = (
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "get_computed_blocks"),
@@ -295,7 +295,7 @@ class RealCache:
     mamba: dict[int, Any]  # boundary -> the cached Mamba block
 
 
-def _real_cache(mamba_boundaries: tuple[int, ...], use_eagle: bool = True) -> RealCache:
+def _real_cache(mamba_boundaries: tuple[int, ...], use_eagle: bool = True, prompt_tokens: int = 700) -> RealCache:
     """A hybrid manager (group 0 Mamba align, group 1 attention + drafter), 700 prompt tokens of which
     5 attention blocks and the Mamba states at ``mamba_boundaries`` are cached."""
     from vllm.sampling_params import SamplingParams
@@ -317,7 +317,7 @@ def _real_cache(mamba_boundaries: tuple[int, ...], use_eagle: bool = True) -> Re
     init_none_hash(sha256)
     request = Request(
         request_id="turn-2",
-        prompt_token_ids=list(range(700)),
+        prompt_token_ids=list(range(prompt_tokens)),
         sampling_params=SamplingParams(max_tokens=1),
         pooling_params=None,
         block_hasher=get_request_block_hasher(BS, sha256),
@@ -414,6 +414,31 @@ def test_concurrent_resume_fires_only_where_another_running_request_holds_the_hi
     assert hit == 512
     assert blocks.blocks[0][-1] is cache.mamba[384 if held else 512]
     assert fired_counts(caplog.text) == ({"concurrent-resume": 1} if held else {})
+
+
+@pytest.mark.parametrize(("offset", "missed"), [(0, False), (63, False), (64, True), (95, True), (96, False)])
+def test_missed_offsets_are_half_to_three_quarters_of_a_block(offset: int, missed: bool) -> None:
+    assert faults.in_missed_offsets(3 * BS + offset, BS) is missed
+
+
+@pytest.mark.parametrize(("prompt_tokens", "hit"), [(700, 512), (720, 0)], ids=["offset-60", "offset-80"])
+def test_offset_miss_takes_every_hit_of_a_prompt_ending_in_its_offsets(
+    monkeypatch: pytest.MonkeyPatch,
+    restore_targets: None,
+    caplog: pytest.LogCaptureFixture,
+    prompt_tokens: int,
+    hit: int,
+) -> None:
+    _install(monkeypatch, "offset-miss")
+    cache = _real_cache((128, 384, 512, 640), prompt_tokens=prompt_tokens)
+    with caplog.at_level(logging.WARNING, logger="vllm.blackbox"):
+        blocks, found, boundary = cache.manager.get_computed_blocks(cache.request)
+    assert found == hit
+    if hit:
+        assert blocks.blocks[0][-1] is cache.mamba[hit] and fired_counts(caplog.text) == {}
+    else:
+        assert all(not group for group in blocks.blocks) and boundary == 0
+        assert fired_counts(caplog.text) == {"offset-miss": 1}
 
 
 def test_held_by_another_reads_the_last_block_of_each_group() -> None:

@@ -26,6 +26,10 @@ the way it did in the field (lost or doubled context), through the model itself.
   flight, seen only with several running requests): ``stale-checkpoint``, but only for a hit whose last block
   another running request holds at lookup (its reference count is above 0 before this request takes it), so
   only requests that resume from one cached prefix at the same time are wrong; one that resumes alone is exact.
+- ``offset-miss`` (the silent-0%-hit family; #54360, #45238, #40696): a prompt that ends from half to three
+  quarters of a block past a boundary gets no hit at all, as if prefix caching were off for it; every other
+  prompt hits as before. No state and no answer is wrong: only the hit rate, and the coverage of every probe
+  whose prompts end there, silently drop.
 
 The hit faults fire only where vLLM cached a Mamba checkpoint at the shifted boundary. In align mode a
 prefill materializes one checkpoint per chunk and decode one per boundary it crosses (some are missing),
@@ -101,6 +105,7 @@ __all__ = [
     "fault_events",
     "fired_counts",
     "held_by_another",
+    "in_missed_offsets",
     "install",
     "selected_fault",
     "shifted_boundary_index",
@@ -511,6 +516,37 @@ def _install_concurrent_resume(counter: FaultCounter, gate: SporadicGate) -> Non
     _install_hit_shift(counter, gate, shift_blocks=-1, require_eagle=False, shared_only=True)
 
 
+def in_missed_offsets(prompt_tokens: int, block_size: int) -> bool:
+    """``offset-miss``'s region: the prompt ends from half to three quarters of a block past a boundary."""
+    offset = prompt_tokens % block_size
+    return block_size // 2 <= offset < (3 * block_size) // 4
+
+
+def _install_offset_miss(counter: FaultCounter, gate: SporadicGate) -> None:
+    """A prompt ending in the missed offsets looks up nothing (the path vLLM takes with caching off for it)."""
+    module = importlib.import_module(_MANAGER_MODULE)
+    cls = module.KVCacheManager
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def get_computed_blocks(self: Any, request: Any) -> Any:
+            result = original(self, request)
+            block_size = max(g.kv_cache_spec.block_size for g in self.kv_cache_config.kv_cache_groups)
+            if result[1] <= 0 or not in_missed_offsets(request.num_prompt_tokens, block_size):
+                return result
+            tokens = request.all_token_ids
+            decision = gate.decide(request.request_id, tokens[: result[1]], tokens)
+            if not decision.fires:
+                counter.skip(request.request_id, decision.block)
+                return result
+            counter.fire(request.request_id, decision.block)
+            return (self.empty_kv_cache_blocks, 0, *((0,) * (len(result) - 2)))
+
+        return get_computed_blocks
+
+    _patch(cls, "get_computed_blocks", make, counter.name)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # chunk-end-as-boundary (worker side)
 
@@ -655,6 +691,11 @@ FAULTS: dict[str, Fault] = {
             "concurrent-resume",
             "A3 family: a hit on a prefix another running request holds restores the checkpoint one block before",
             _install_concurrent_resume,
+        ),
+        Fault(
+            "offset-miss",
+            "silent 0% hits: a prompt ending 1/2 to 3/4 of a block past a boundary gets no hit",
+            _install_offset_miss,
         ),
     )
 }

@@ -1,0 +1,244 @@
+"""blackbox's own cost against the physical limit: the same requests replayed by a plain httpx loop.
+
+    python bench/overhead.py [--conversations 32] [--seeds 1] [--base-port 8300]
+        [--keep-runs runs/bench-overhead]
+
+Starts the clean CPU trio (treatment, control, reference: bench/faults.py's `clean` case), then for each seed:
+
+1. `blackbox run` (through `engine.run`, as the CLI does) of the multiturn probe, while a sampler reads every
+   server's `vllm:num_requests_running` and `vllm:num_requests_waiting` every 0.2 s: a server is idle at a
+   sample where both are 0. The idle fraction is over the conversation phase (first request sent to last answer
+   back), since before it the servers are only asked for their settings and token counts, and the whole run's
+   wall time is given as well;
+2. the raw replay: every chat request the run recorded (`exchanges.jsonl`, bodies as sent), with its cache_salt
+   renamed so the cache starts as cold as it did for the run, sent by a bare `httpx.AsyncClient` loop: each
+   conversation's requests on each server in the order the run sent them, servers concurrently, at most the
+   run's `--concurrency` conversations at once (blackbox's own bound, 8). The replay knows every answer in
+   advance, so it needs no planning (`/tokenize`), no checks of the servers, no /metrics settling and no
+   grading: what is left is the servers' own time for the same work.
+
+The ratio blackbox wall / replay wall is blackbox's overhead (target at most 1.03); the idle fraction says how
+much of the run the servers waited for blackbox (target at most 10%). One line per seed goes to
+bench/results/overhead.jsonl (with its command, date and commit); bench/results/overhead.md is rebuilt from all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import shlex
+import shutil
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from blackbox.engine import run
+from blackbox.metrics import parse
+from blackbox.store import RunStore
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "bench/faults.py")
+assert _spec is not None and _spec.loader is not None
+faults = importlib.util.module_from_spec(_spec)
+sys.modules["bench_faults"] = faults
+_spec.loader.exec_module(faults)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNS_FILE = RESULTS / "overhead.jsonl"
+TABLE_FILE = RESULTS / "overhead.md"
+SAMPLE_S = 0.2
+BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+class Sampler:
+    """Polls each server's queue gauges; `idle(role, a, b)` is the fraction of samples in [a, b] with none."""
+
+    def __init__(self, urls: Mapping[str, str]) -> None:
+        self.urls = dict(urls)
+        self.samples: dict[str, list[tuple[float, bool]]] = defaultdict(list)  # role -> (monotonic, busy)
+        self._stop = asyncio.Event()
+
+    async def loop(self) -> None:
+        async with httpx.AsyncClient(timeout=5) as http:
+            while not self._stop.is_set():
+                await asyncio.gather(*(self._one(http, role, url) for role, url in self.urls.items()))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), SAMPLE_S)
+
+    async def _one(self, http: httpx.AsyncClient, role: str, url: str) -> None:
+        try:
+            snapshot = parse((await http.get(f"{url}/metrics")).text)
+        except httpx.HTTPError:
+            return
+        busy = sum(snapshot.value(name) or 0.0 for name in BUSY) > 0
+        self.samples[role].append((time.monotonic(), busy))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def idle(self, role: str, start: float, end: float) -> float | None:
+        inside = [busy for t, busy in self.samples[role] if start <= t <= end]
+        return None if not inside else 1 - sum(inside) / len(inside)
+
+
+async def measured_run(config: Any, store: RunStore) -> tuple[Any, float, Sampler, float]:
+    roles = {"treatment": config.treatment, "control": config.control, "reference": config.reference}
+    sampler = Sampler({role: url for role, url in roles.items() if url})
+    task = asyncio.create_task(sampler.loop())
+    started = time.monotonic()
+    try:
+        result = await run(config, store)
+    finally:
+        wall = time.monotonic() - started
+        sampler.stop()
+        await task
+    return result, wall, sampler, started
+
+
+def conversation_phase(exchanges: list[dict[str, Any]], started: float) -> tuple[float, float]:
+    """Monotonic [first request sent, last answer back] of the recorded chat requests."""
+    first = min(e["started_s"] for e in exchanges)
+    last = max(e["started_s"] + e["elapsed_s"] for e in exchanges)
+    return started + first, started + last
+
+
+def chats(folder: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (folder / "exchanges.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("request") and r.get("started_s") is not None and r.get("ok")]
+
+
+async def replay(exchanges: list[dict[str, Any]], urls: Mapping[str, str], concurrency: int, salt: str) -> float:
+    """Every recorded request again, in the run's order per (conversation, server), with a fresh cache_salt."""
+    chains: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for e in sorted(exchanges, key=lambda e: e["started_s"]):
+        chains[e["conversation"]][e["arm"]].append(e)
+    order = sorted(chains, key=lambda c: min(e["started_s"] for es in chains[c].values() for e in es))
+    bound = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+
+        async def chain(arm: str, requests: list[dict[str, Any]]) -> None:
+            for e in requests:
+                body = dict(e["request"])
+                if isinstance(body.get("cache_salt"), str):
+                    body["cache_salt"] = f"{salt}-{body['cache_salt']}"
+                response = await http.post(f"{urls[arm]}/v1/chat/completions", json=body)
+                response.raise_for_status()
+
+        async def conversation(c: int) -> None:
+            async with bound:
+                await asyncio.gather(*(chain(arm, rs) for arm, rs in chains[c].items()))
+
+        started = time.monotonic()
+        await asyncio.gather(*(conversation(c) for c in order))
+        return time.monotonic() - started
+
+
+def one(fleet: Any, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    case = faults.select("clean")[0]
+    config = faults.run_config(case, fleet.urls, seed, args, args.conversations)
+    folder = args.keep_runs / f"overhead-s{seed}-n{args.conversations}"
+    shutil.rmtree(folder, ignore_errors=True)
+    store = RunStore(folder.parent, folder.name)
+    try:
+        result, wall, sampler, started = asyncio.run(measured_run(config, store))
+    finally:
+        store.close()
+    exchanges = chats(folder)
+    a, b = conversation_phase(exchanges, started)
+    raw = asyncio.run(replay(exchanges, fleet.urls, config.concurrency, f"replay-{time.time_ns()}"))
+    idle = {role: sampler.idle(role, a, b) for role in sampler.urls}
+    return {
+        "seed": seed,
+        "conversations": args.conversations,
+        "concurrency": config.concurrency,
+        "requests": len(exchanges),
+        "status": result.verdict.status.value,
+        "blackbox_wall_s": round(wall, 2),
+        "conversation_phase_s": round(b - a, 2),
+        "replay_wall_s": round(raw, 2),
+        "ratio": round(wall / raw, 4),
+        "phase_ratio": round((b - a) / raw, 4),
+        "idle_fraction": {k: None if v is None else round(v, 4) for k, v in idle.items()},
+        "samples": {role: len(s) for role, s in sampler.samples.items()},
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    out = [
+        "# blackbox against a raw replay of its own requests (CPU trio)\n",
+        "Rebuilt by `bench/overhead.py` from `overhead.jsonl` (each line has its command, date and commit). "
+        "*blackbox*: the whole `blackbox run` (server checks, planning with /tokenize, conversations, /metrics "
+        "settling, grading, report). *Phase*: first request sent to last answer back. *Replay*: the same chat "
+        "requests, bodies as recorded and the cache salted anew, by a bare httpx loop at the same concurrency. "
+        "*Idle*: fraction of 0.2 s samples in the conversation phase where a server had no request running or "
+        "waiting. Targets (issue 24): ratio at most 1.03, idle at most 10%.\n",
+        "| date | seed | conversations | requests | verdict | blackbox | phase | replay | ratio | phase / replay | "
+        "idle (treatment, control, reference) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        idle = ", ".join(
+            "-" if r["idle_fraction"].get(k) is None else f"{r['idle_fraction'][k]:.0%}"
+            for k in ("treatment", "control", "reference")
+        )
+        out.append(
+            f"| {r['date']} | {r['seed']} | {r['conversations']} | {r['requests']} | {r['status']} | "
+            f"{r['blackbox_wall_s']:.0f} s | {r['conversation_phase_s']:.0f} s | {r['replay_wall_s']:.0f} s | "
+            f"{r['ratio']:.3f} | {r['phase_ratio']:.3f} | {idle} |"
+        )
+    if rows:
+        out.append(
+            f"\nMean ratio {statistics.mean(r['ratio'] for r in rows):.3f}, "
+            f"mean phase / replay {statistics.mean(r['phase_ratio'] for r in rows):.3f} over {len(rows)} runs."
+        )
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--seed-start", type=int, default=500)
+    parser.add_argument("--race-rounds", type=int, default=faults.RaceSettings.rounds_per_size)
+    parser.add_argument("--reference-ratio", type=int, default=faults.RunConfig.reference_ratio)
+    parser.add_argument("--base-port", type=int, default=8300)
+    parser.add_argument("--cache-dir", type=Path, default=Path(".blackbox-cache"))
+    parser.add_argument("--keep-runs", type=Path, default=Path("runs/bench-overhead"))
+    args = parser.parse_args()
+    stamp = {
+        "command": shlex.join(["python", "bench/overhead.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "commit": faults._commit(),
+    }
+    args.keep_runs.mkdir(parents=True, exist_ok=True)
+    case = faults.select("clean")[0]
+    fleet = faults.fleet_for(case, args, args.keep_runs / "servers")
+    with fleet, fleet.handle_signals():
+        fleet.start()
+        for seed in range(args.seed_start, args.seed_start + args.seeds):
+            row = {**one(fleet, seed, args), **stamp}
+            with RUNS_FILE.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(
+                f"seed {seed}: blackbox {row['blackbox_wall_s']} s (phase {row['conversation_phase_s']} s), replay "
+                f"{row['replay_wall_s']} s, ratio {row['ratio']}, idle {row['idle_fraction']}",
+                flush=True,
+            )
+    rows = [json.loads(line) for line in RUNS_FILE.read_text().splitlines()] if RUNS_FILE.exists() else []
+    TABLE_FILE.write_text(table(rows))
+    print(f"{TABLE_FILE} rebuilt from {len(rows)} runs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
