@@ -164,6 +164,26 @@ CASES += (
     Case("concurrent-resume held-prefix", "held-prefix", fault="concurrent-resume", new_probe=True),
     Case("concurrent-resume multiturn", "multiturn", fault="concurrent-resume", new_probe=True),
     Case("concurrent-resume cold-race", "cold-race", "cpu-tiny-fragmented", fault="concurrent-resume", new_probe=True),
+    # The benign variants of each new probe: a correct engine chunked mid-block, and one speculative token.
+    *(
+        Case(f"clean {variant} {probe}", probe, new_probe=True, **settings)
+        for probe in ("held-prefix", "hit-geometry")
+        for variant, settings in (
+            ("fragmented", {"profile": "cpu-tiny-fragmented"}),
+            ("1 spec token", {"spec_tokens": 1}),
+        )
+    ),
+    # Silent 0% hits in one offset class: the sweep names it (UNKNOWN CacheNotLive); the other probes, whose
+    # prompts end anywhere, still find enough hits elsewhere and pass (shown on them too).
+    *(
+        Case(f"offset-miss {probe}", probe, profile, fault="offset-miss", new_probe=True)
+        for probe, profile in (
+            ("hit-geometry", "cpu-tiny"),
+            ("multiturn", "cpu-tiny"),
+            ("held-prefix", "cpu-tiny"),
+            ("cold-race", "cpu-tiny-fragmented"),
+        )
+    ),
     *(
         Case(
             f"eagle-overrun 0.5 {shape} held-prefix",

@@ -187,15 +187,7 @@ def blackbox_config(request: pytest.FixtureRequest) -> RunConfig:
             "error, not a skip"
         )
     conversations, seed = _int(cfg, "conversations"), _int(cfg, "seed")
-    rounds = {
-        field: value
-        for field, value in (
-            ("detect", _float(cfg, "detect")),
-            ("round_conversations", _int(cfg, "round")),
-            ("max_conversations", _int(cfg, "max_conversations")),
-        )
-        if value is not None
-    }
+    round_conversations, budget = _int(cfg, "round"), _int(cfg, "max_conversations")
     try:
         return RunConfig(
             treatment=treatment,
@@ -206,7 +198,9 @@ def blackbox_config(request: pytest.FixtureRequest) -> RunConfig:
             seed=0 if seed is None else seed,
             probes=tuple(_probes(cfg)),
             max_num_batched_tokens=_int(cfg, "max_num_batched_tokens"),
-            **rounds,
+            detect=_float(cfg, "detect"),
+            round_conversations=RunConfig.round_conversations if round_conversations is None else round_conversations,
+            max_conversations=RunConfig.max_conversations if budget is None else budget,
         )
     except BlackboxError as exc:
         raise pytest.UsageError(f"blackbox: {exc}") from exc

@@ -1,0 +1,86 @@
+"""RED before GREEN for the probes issue 23 added, on the CPU pair: each catches the fault made for it, which the
+multi-turn probe misses, and passes on the clean treatment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from servers.launch import Fleet
+from servers.profiles import build_specs
+from servers.vllm_plugin.faults import fired_counts, in_missed_offsets
+
+from engine_env import BASE_PORT, CACHE, blackbox_cli
+
+TREATMENT_PORT = BASE_PORT + 7  # the session's servers use BASE_PORT..BASE_PORT+2, the fault tests +5, +15, +17
+
+
+def _run(out: Path, treatment: str, shared: Fleet, probe: str, seed: int) -> tuple[int, dict, str]:
+    code, output, _, verdict = blackbox_cli(
+        out,
+        "--treatment",
+        treatment,
+        "--control",
+        shared.urls["control"],
+        "--reference",
+        shared.urls["reference"],
+        "--probe",
+        probe,
+        "--seed",
+        str(seed),
+    )
+    return code, verdict, output
+
+
+def _finding(verdict: dict, check: str) -> dict:
+    return next(f for f in verdict["findings"] if f["check"] == check)
+
+
+@pytest.mark.parametrize("probe", ["hit-geometry", "held-prefix"])
+def test_a_new_probe_passes_on_the_clean_treatment(probe: str, cpu_fleet: Fleet, tmp_path: Path) -> None:
+    code, verdict, output = _run(tmp_path / "runs", cpu_fleet.urls["treatment"], cpu_fleet, probe, 31)
+    assert (code, verdict["status"]) == (0, "PASS"), output
+    grader = "sweep-exactness" if probe == "hit-geometry" else "held-prefix"
+    assert "would have been detected with probability 0.95" in _finding(verdict, grader)["reason"], output
+
+
+def test_the_sweep_names_the_offsets_a_silent_miss_leaves_unhit(cpu_fleet: Fleet, tmp_path: Path) -> None:
+    """offset-miss takes every hit of a prompt ending 1/2 to 3/4 of a block past a boundary: the sweep says
+    which offsets (UNKNOWN CacheNotLive, never FAIL: no answer is wrong); the multi-turn probe, whose prompts
+    end anywhere, finds its hits elsewhere and is blind to it."""
+    specs = build_specs("cpu-tiny", ("treatment",), base_port=TREATMENT_PORT, cache_dir=CACHE, fault="offset-miss")
+    with Fleet(specs, tmp_path / "servers") as fleet:
+        fleet.start()
+        treatment = fleet.urls["treatment"]
+        code, verdict, output = _run(tmp_path / "runs-sweep", treatment, cpu_fleet, "hit-geometry", 31)
+        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get("offset-miss", 0)
+        assert fired > 0, f"offset-miss never fired, so this run says nothing\n{output}"
+        assert (code, verdict["status"], verdict["error_class"]) == (2, "UNKNOWN", "CacheNotLive"), output
+        figures = _finding(verdict, "hit-geometry")["figures"]
+        block, dead = figures["block_size"], figures["offsets_dead"]
+        assert dead, output
+        assert all(in_missed_offsets(o, block) for o in dead), figures
+        assert not any(in_missed_offsets(o, block) for o in figures["offsets_hitting"]), figures
+        assert f"repeats of prompts ending {dead} tokens past a block boundary hit nothing" in verdict["reason"]
+
+        code, verdict, output = _run(tmp_path / "runs-multiturn", treatment, cpu_fleet, "multiturn", 31)
+        assert verdict["error_class"] != "CacheNotLive" and code != 1, output
+
+
+def test_held_prefix_catches_resumes_of_a_prefix_another_request_holds(cpu_fleet: Fleet, tmp_path: Path) -> None:
+    """concurrent-resume is wrong only where several requests resume from one cached prefix at once, which the
+    held-prefix probe does and the multi-turn probe never does (bench/results/new-probes.md: 0 candidates)."""
+    specs = build_specs(
+        "cpu-tiny", ("treatment",), base_port=TREATMENT_PORT, cache_dir=CACHE, fault="concurrent-resume"
+    )
+    with Fleet(specs, tmp_path / "servers") as fleet:
+        fleet.start()
+        code, verdict, output = _run(tmp_path / "runs", fleet.urls["treatment"], cpu_fleet, "held-prefix", 31)
+        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get("concurrent-resume", 0)
+    assert fired > 0, f"concurrent-resume never fired\n{output}"
+    assert (code, verdict["error_class"]) == (1, "CorruptionDetected"), output
+    finding = _finding(verdict, "held-prefix")
+    assert finding["status"] == "FAIL", output
+    # Some resumes of a block are wrong, not all (the first to resume alone is exact): a transient fault.
+    assert finding["figures"]["seen"] in ("transient", "both"), finding["figures"]
