@@ -5,6 +5,9 @@
 
 Starts the clean CPU trio (treatment, control, reference: bench/faults.py's `clean` case), then for each seed:
 
+0. a first `blackbox run` of the seed, kept as the *cold* figures only: on fresh servers torch inductor compiles
+   kernels at each new batch shape (requests wait 15-40 s at first), which would be charged to whichever side
+   ran first;
 1. `blackbox run` (through `engine.run`, as the CLI does) of the multiturn probe, while a sampler reads every
    server's `vllm:num_requests_running` and `vllm:num_requests_waiting` every 0.2 s: a server is idle at a
    sample where both are 0. The idle fraction is over the conversation phase (first request sent to last answer
@@ -143,16 +146,21 @@ async def replay(exchanges: list[dict[str, Any]], urls: Mapping[str, str], concu
         return time.monotonic() - started
 
 
+def _blackbox(config: Any, folder: Path) -> tuple[Any, float, Sampler, float]:
+    shutil.rmtree(folder, ignore_errors=True)
+    store = RunStore(folder.parent, folder.name)  # its own cache_salt: every run starts as cold as the first
+    try:
+        return asyncio.run(measured_run(config, store))
+    finally:
+        store.close()
+
+
 def one(fleet: Any, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     case = faults.select("clean")[0]
     config = faults.run_config(case, fleet.urls, seed, args, args.conversations)
+    _, cold_wall, _, _ = _blackbox(config, args.keep_runs / f"overhead-s{seed}-n{args.conversations}-cold")
     folder = args.keep_runs / f"overhead-s{seed}-n{args.conversations}"
-    shutil.rmtree(folder, ignore_errors=True)
-    store = RunStore(folder.parent, folder.name)
-    try:
-        result, wall, sampler, started = asyncio.run(measured_run(config, store))
-    finally:
-        store.close()
+    result, wall, sampler, started = _blackbox(config, folder)
     exchanges = chats(folder)
     a, b = conversation_phase(exchanges, started)
     raw = asyncio.run(replay(exchanges, fleet.urls, config.concurrency, f"replay-{time.time_ns()}"))
@@ -164,6 +172,7 @@ def one(fleet: Any, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "requests": len(exchanges),
         "status": result.verdict.status.value,
         "blackbox_wall_s": round(wall, 2),
+        "cold_blackbox_wall_s": round(cold_wall, 2),
         "conversation_phase_s": round(b - a, 2),
         "replay_wall_s": round(raw, 2),
         "ratio": round(wall / raw, 4),
@@ -181,10 +190,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         "settling, grading, report). *Phase*: first request sent to last answer back. *Replay*: the same chat "
         "requests, bodies as recorded and the cache salted anew, by a bare httpx loop at the same concurrency. "
         "*Idle*: fraction of 0.2 s samples in the conversation phase where a server had no request running or "
-        "waiting. Targets (issue 24): ratio at most 1.03, idle at most 10%.\n",
-        "| date | seed | conversations | requests | verdict | blackbox | phase | replay | ratio | phase / replay | "
-        "idle (treatment, control, reference) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "waiting. Targets (issue 24): ratio at most 1.03, idle at most 10%. *Cold*: a first run of the seed on "
+        "the same servers (rows before it was added have none and were measured cold: their runs paid the "
+        "servers' first kernel compiles, the replay did not).\n",
+        "| date | seed | conversations | requests | verdict | cold | blackbox | phase | replay | ratio | "
+        "phase / replay | idle (treatment, control, reference) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         idle = ", ".join(
@@ -193,7 +204,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         )
         out.append(
             f"| {r['date']} | {r['seed']} | {r['conversations']} | {r['requests']} | {r['status']} | "
-            f"{r['blackbox_wall_s']:.0f} s | {r['conversation_phase_s']:.0f} s | {r['replay_wall_s']:.0f} s | "
+            + (f"{r['cold_blackbox_wall_s']:.0f} s" if r.get("cold_blackbox_wall_s") else "-")
+            + f" | {r['blackbox_wall_s']:.0f} s | {r['conversation_phase_s']:.0f} s | {r['replay_wall_s']:.0f} s | "
             f"{r['ratio']:.3f} | {r['phase_ratio']:.3f} | {idle} |"
         )
     if rows:
