@@ -239,14 +239,13 @@ def main() -> int:
         fleet.start()
         for seed in range(args.seed_start, args.seed_start + args.seeds):
             row = {**one(fleet, seed, args), **stamp}
-            with RUNS_FILE.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            faults.append_run(RUNS_FILE, row)
             print(
                 f"seed {seed}: blackbox {row['blackbox_wall_s']} s (phase {row['conversation_phase_s']} s), replay "
                 f"{row['replay_wall_s']} s, ratio {row['ratio']}, idle {row['idle_fraction']}",
                 flush=True,
             )
-    rows = [json.loads(line) for line in RUNS_FILE.read_text().splitlines()] if RUNS_FILE.exists() else []
+    rows = faults.load_runs(RUNS_FILE)
     TABLE_FILE.write_text(table(rows))
     print(f"{TABLE_FILE} rebuilt from {len(rows)} runs")
     return 0

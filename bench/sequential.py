@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import dataclasses
 import importlib.util
-import json
 import shlex
 import shutil
 import statistics
@@ -145,14 +144,13 @@ def main() -> int:
                     if time.monotonic() > deadline:
                         break
                     row = {**one(case, fleet, seed, detect, args), **stamp}
-                    with RUNS_FILE.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
+                    faults.append_run(RUNS_FILE, row)
                     print(
                         f"{case.name} seed {seed} --detect {detect:g}: {row['status']} after "
                         f"{row['conversations']} conversations (look {row['stopped_at_look']}), {row['wall_s']} s",
                         flush=True,
                     )
-    rows = [json.loads(line) for line in RUNS_FILE.read_text().splitlines()] if RUNS_FILE.exists() else []
+    rows = faults.load_runs(RUNS_FILE)
     TABLE_FILE.write_text(table(rows))
     print(f"{TABLE_FILE} rebuilt from {len(rows)} runs")
     return 0

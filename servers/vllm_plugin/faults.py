@@ -466,6 +466,20 @@ def held_by_another(blocks_by_group: Sequence[Sequence[Any]], hit_length: int) -
     return hit_length > 0 and any(b and not b[-1].is_null and b[-1].ref_cnt > 0 for b in blocks_by_group)
 
 
+def _patch_lookup(fault: str, after: Callable[[Any, Any, Any], Any]) -> None:
+    """Wrap ``KVCacheManager.get_computed_blocks``: ``after(manager, request, result)`` gives what it returns."""
+    cls = importlib.import_module(_MANAGER_MODULE).KVCacheManager
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def get_computed_blocks(self: Any, request: Any) -> Any:
+            return after(self, request, original(self, request))
+
+        return get_computed_blocks
+
+    _patch(cls, "get_computed_blocks", make, fault)
+
+
 def _install_hit_shift(
     counter: FaultCounter,
     gate: SporadicGate,
@@ -473,32 +487,24 @@ def _install_hit_shift(
     require_eagle: bool,
     shared_only: bool = False,
 ) -> None:
-    module = importlib.import_module(_MANAGER_MODULE)
-    cls = module.KVCacheManager
-
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def get_computed_blocks(self: Any, request: Any) -> Any:
-            result = original(self, request)
-            if shared_only and not held_by_another(result[0].blocks, result[1]):
-                return result
-            swaps = _shift_candidates(self, request, result, shift_blocks, require_eagle)
-            if swaps:
-                # The request resumes from the block at the hit length: that block is the one poisoned.
-                tokens = request.all_token_ids
-                decision = gate.decide(request.request_id, tokens[: result[1]], tokens)
-                # One count per request: a waiting request may be looked up again before it runs.
-                if decision.fires:
-                    for swap in swaps:
-                        swap.apply()
-                    counter.fire(request.request_id, decision.block)
-                else:
-                    counter.skip(request.request_id, decision.block)
+    def after(self: Any, request: Any, result: Any) -> Any:
+        if shared_only and not held_by_another(result[0].blocks, result[1]):
             return result
+        swaps = _shift_candidates(self, request, result, shift_blocks, require_eagle)
+        if swaps:
+            # The request resumes from the block at the hit length: that block is the one poisoned.
+            tokens = request.all_token_ids
+            decision = gate.decide(request.request_id, tokens[: result[1]], tokens)
+            # One count per request: a waiting request may be looked up again before it runs.
+            if decision.fires:
+                for swap in swaps:
+                    swap.apply()
+                counter.fire(request.request_id, decision.block)
+            else:
+                counter.skip(request.request_id, decision.block)
+        return result
 
-        return get_computed_blocks
-
-    _patch(cls, "get_computed_blocks", make, counter.name)
+    _patch_lookup(counter.name, after)
 
 
 def _install_eagle_overrun(counter: FaultCounter, gate: SporadicGate) -> None:
@@ -524,27 +530,20 @@ def in_missed_offsets(prompt_tokens: int, block_size: int) -> bool:
 
 def _install_offset_miss(counter: FaultCounter, gate: SporadicGate) -> None:
     """A prompt ending in the missed offsets looks up nothing (the path vLLM takes with caching off for it)."""
-    module = importlib.import_module(_MANAGER_MODULE)
-    cls = module.KVCacheManager
 
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def get_computed_blocks(self: Any, request: Any) -> Any:
-            result = original(self, request)
-            block_size = max(g.kv_cache_spec.block_size for g in self.kv_cache_config.kv_cache_groups)
-            if result[1] <= 0 or not in_missed_offsets(request.num_prompt_tokens, block_size):
-                return result
-            tokens = request.all_token_ids
-            decision = gate.decide(request.request_id, tokens[: result[1]], tokens)
-            if not decision.fires:
-                counter.skip(request.request_id, decision.block)
-                return result
-            counter.fire(request.request_id, decision.block)
-            return (self.empty_kv_cache_blocks, 0, *((0,) * (len(result) - 2)))
+    def after(self: Any, request: Any, result: Any) -> Any:
+        block_size = max(g.kv_cache_spec.block_size for g in self.kv_cache_config.kv_cache_groups)
+        if result[1] <= 0 or not in_missed_offsets(request.num_prompt_tokens, block_size):
+            return result
+        tokens = request.all_token_ids
+        decision = gate.decide(request.request_id, tokens[: result[1]], tokens)
+        if not decision.fires:
+            counter.skip(request.request_id, decision.block)
+            return result
+        counter.fire(request.request_id, decision.block)
+        return (self.empty_kv_cache_blocks, 0, *((0,) * (len(result) - 2)))
 
-        return get_computed_blocks
-
-    _patch(cls, "get_computed_blocks", make, counter.name)
+    _patch_lookup(counter.name, after)
 
 
 # ---------------------------------------------------------------------------------------------------------
