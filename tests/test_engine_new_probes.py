@@ -46,14 +46,13 @@ def test_a_new_probe_passes_on_the_clean_treatment(probe: str, cpu_fleet: Fleet,
 
 
 def test_the_sweep_names_the_offsets_a_silent_miss_leaves_unhit(cpu_fleet: Fleet, tmp_path: Path) -> None:
-    """offset-miss takes every hit of a prompt ending 1/2 to 3/4 of a block past a boundary: the sweep says
-    which offsets (UNKNOWN CacheNotLive, never FAIL: no answer is wrong); the multi-turn probe, whose prompts
-    end anywhere, finds its hits elsewhere and is blind to it."""
+    """offset-miss takes every hit of a prompt ending 1/4 to 3/8 of a block past a boundary: the sweep says
+    which offsets (UNKNOWN CacheNotLive, never FAIL: no answer is wrong). The multi-turn probe, whose prompts
+    end elsewhere, is blind to it (bench/results/new-probes.md; a 10-minute run, so not repeated here)."""
     specs = build_specs("cpu-tiny", ("treatment",), base_port=TREATMENT_PORT, cache_dir=CACHE, fault="offset-miss")
     with Fleet(specs, tmp_path / "servers") as fleet:
         fleet.start()
-        treatment = fleet.urls["treatment"]
-        code, verdict, output = _run(tmp_path / "runs-sweep", treatment, cpu_fleet, "hit-geometry", 31)
+        code, verdict, output = _run(tmp_path / "runs", fleet.urls["treatment"], cpu_fleet, "hit-geometry", 31)
         fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get("offset-miss", 0)
         assert fired > 0, f"offset-miss never fired, so this run says nothing\n{output}"
         assert (code, verdict["status"], verdict["error_class"]) == (2, "UNKNOWN", "CacheNotLive"), output
@@ -63,9 +62,6 @@ def test_the_sweep_names_the_offsets_a_silent_miss_leaves_unhit(cpu_fleet: Fleet
         assert all(in_missed_offsets(o, block) for o in dead), figures
         assert not any(in_missed_offsets(o, block) for o in figures["offsets_hitting"]), figures
         assert f"repeats of prompts ending {dead} tokens past a block boundary hit nothing" in verdict["reason"]
-
-        code, verdict, output = _run(tmp_path / "runs-multiturn", treatment, cpu_fleet, "multiturn", 31)
-        assert verdict["error_class"] != "CacheNotLive" and code != 1, output
 
 
 def test_held_prefix_catches_resumes_of_a_prefix_another_request_holds(cpu_fleet: Fleet, tmp_path: Path) -> None:

@@ -416,12 +416,12 @@ def test_concurrent_resume_fires_only_where_another_running_request_holds_the_hi
     assert fired_counts(caplog.text) == ({"concurrent-resume": 1} if held else {})
 
 
-@pytest.mark.parametrize(("offset", "missed"), [(0, False), (63, False), (64, True), (95, True), (96, False)])
-def test_missed_offsets_are_half_to_three_quarters_of_a_block(offset: int, missed: bool) -> None:
+@pytest.mark.parametrize(("offset", "missed"), [(0, False), (31, False), (32, True), (47, True), (48, False)])
+def test_missed_offsets_are_a_quarter_to_three_eighths_of_a_block(offset: int, missed: bool) -> None:
     assert faults.in_missed_offsets(3 * BS + offset, BS) is missed
 
 
-@pytest.mark.parametrize(("prompt_tokens", "hit"), [(700, 512), (720, 0)], ids=["offset-60", "offset-80"])
+@pytest.mark.parametrize(("prompt_tokens", "hit"), [(700, 512), (680, 0)], ids=["offset-60", "offset-40"])
 def test_offset_miss_takes_every_hit_of_a_prompt_ending_in_its_offsets(
     monkeypatch: pytest.MonkeyPatch,
     restore_targets: None,

@@ -26,8 +26,8 @@ the way it did in the field (lost or doubled context), through the model itself.
   flight, seen only with several running requests): ``stale-checkpoint``, but only for a hit whose last block
   another running request holds at lookup (its reference count is above 0 before this request takes it), so
   only requests that resume from one cached prefix at the same time are wrong; one that resumes alone is exact.
-- ``offset-miss`` (the silent-0%-hit family; #54360, #45238, #40696): a prompt that ends from half to three
-  quarters of a block past a boundary gets no hit at all, as if prefix caching were off for it; every other
+- ``offset-miss`` (the silent-0%-hit family; #54360, #45238, #40696): a prompt that ends from a quarter to
+  three eighths of a block past a boundary gets no hit at all, as if prefix caching were off for it; every other
   prompt hits as before. No state and no answer is wrong: only the hit rate, and the coverage of every probe
   whose prompts end there, silently drop.
 
@@ -523,9 +523,10 @@ def _install_concurrent_resume(counter: FaultCounter, gate: SporadicGate) -> Non
 
 
 def in_missed_offsets(prompt_tokens: int, block_size: int) -> bool:
-    """``offset-miss``'s region: the prompt ends from half to three quarters of a block past a boundary."""
+    """``offset-miss``'s region: the prompt ends from a quarter to three eighths of a block past a boundary (where
+    no prompt of the multi-turn or held-prefix probes ends, so they are blind to it)."""
     offset = prompt_tokens % block_size
-    return block_size // 2 <= offset < (3 * block_size) // 4
+    return block_size // 4 <= offset < (3 * block_size) // 8
 
 
 def _install_offset_miss(counter: FaultCounter, gate: SporadicGate) -> None:
@@ -693,7 +694,7 @@ FAULTS: dict[str, Fault] = {
         ),
         Fault(
             "offset-miss",
-            "silent 0% hits: a prompt ending 1/2 to 3/4 of a block past a boundary gets no hit",
+            "silent 0% hits: a prompt ending 1/4 to 3/8 of a block past a boundary gets no hit",
             _install_offset_miss,
         ),
     )
