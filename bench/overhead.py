@@ -155,8 +155,7 @@ def _blackbox(config: Any, folder: Path) -> tuple[Any, float, Sampler, float]:
         store.close()
 
 
-def one(fleet: Any, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    case = faults.select("clean")[0]
+def one(case: Any, fleet: Any, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     config = faults.run_config(case, fleet.urls, seed, args, args.conversations)
     _, cold_wall, _, _ = _blackbox(config, args.keep_runs / f"overhead-s{seed}-n{args.conversations}-cold")
     folder = args.keep_runs / f"overhead-s{seed}-n{args.conversations}"
@@ -238,7 +237,7 @@ def main() -> int:
     with fleet, fleet.handle_signals():
         fleet.start()
         for seed in range(args.seed_start, args.seed_start + args.seeds):
-            row = {**one(fleet, seed, args), **stamp}
+            row = {**one(case, fleet, seed, args), **stamp}
             faults.append_run(RUNS_FILE, row)
             print(
                 f"seed {seed}: blackbox {row['blackbox_wall_s']} s (phase {row['conversation_phase_s']} s), replay "

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -53,6 +53,7 @@ ENV = {
     "max_conversations": "BLACKBOX_MAX_CONVERSATIONS",
 }
 _REPLAYS_SHOWN = 3
+_N = TypeVar("_N", int, float)
 _GRADABLE = ("config.json", "geometry.json", "exchanges.jsonl")  # what `blackbox grade` reads
 
 
@@ -198,7 +199,7 @@ def blackbox_config(request: pytest.FixtureRequest) -> RunConfig:
             seed=0 if seed is None else seed,
             probes=tuple(_probes(cfg)),
             max_num_batched_tokens=_int(cfg, "max_num_batched_tokens"),
-            detect=_float(cfg, "detect"),
+            detect=_number(cfg, "detect", float, "a number"),
             round_conversations=RunConfig.round_conversations if round_conversations is None else round_conversations,
             max_conversations=RunConfig.max_conversations if budget is None else budget,
         )
@@ -206,26 +207,18 @@ def blackbox_config(request: pytest.FixtureRequest) -> RunConfig:
         raise pytest.UsageError(f"blackbox: {exc}") from exc
 
 
+def _number(config: pytest.Config, name: str, parse: Callable[[str], _N], what: str) -> _N | None:
+    value = _setting(config, name)
+    if value is None:
+        return None
+    try:
+        return parse(value)
+    except ValueError:
+        raise pytest.UsageError(f"blackbox: {name} must be {what}, got {value!r}") from None
+
+
 def _int(config: pytest.Config, name: str) -> int | None:
-    value = _setting(config, name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise pytest.UsageError(f"blackbox: {name} must be an integer, got {value!r}") from None
-
-
-def _float(config: pytest.Config, name: str) -> float | None:
-    value = _setting(config, name)
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise pytest.UsageError(
-            f"blackbox: {name} must be a number, got {value!r} (e.g. 0.2: a fifth of decode-region hits)"
-        ) from None
+    return _number(config, name, int, "an integer")
 
 
 @pytest.fixture(scope="session")
