@@ -97,12 +97,12 @@ class Case:
     @property
     def conversational(self) -> bool:
         """Its length is --conversations (the held-prefix probe holds half as many prefixes), not race rounds."""
-        return self.probe in ("multiturn", "held-prefix", "hit-geometry")
+        return self.probe in ("multiturn", "held-prefix", "short-follow-up", "hit-geometry")
 
     @property
     def has_yardstick(self) -> bool:
         """Only a multiturn or held-prefix run with a reference has one (--reference-ratio)."""
-        return self.reference and not self.alone and self.probe in ("multiturn", "held-prefix")
+        return self.reference and not self.alone and self.probe in ("multiturn", "held-prefix", "short-follow-up")
 
     def ratio(self, asked: int) -> int:
         return asked if self.has_yardstick else 1
@@ -167,7 +167,7 @@ CASES += (
     # The benign variants of each new probe: a correct engine chunked mid-block, and one speculative token.
     *(
         Case(f"clean {variant} {probe}", probe, new_probe=True, **settings)
-        for probe in ("held-prefix", "hit-geometry")
+        for probe in ("held-prefix", "short-follow-up", "hit-geometry")
         for variant, settings in (
             ("fragmented", {"profile": "cpu-tiny-fragmented"}),
             ("1 spec token", {"spec_tokens": 1}),
@@ -183,6 +183,30 @@ CASES += (
             ("held-prefix", "cpu-tiny"),
             ("cold-race", "cpu-tiny-fragmented"),
         )
+    ),
+    # A follow-up of 1-2 tokens after a decode-region hit (short-continuation fires on nothing else: shown on the
+    # other probes too), clean, and the fault's sporadic forms.
+    Case("clean short-follow-up", "short-follow-up", new_probe=True),
+    *(
+        Case(f"short-continuation {probe}", probe, profile, fault="short-continuation", new_probe=True)
+        for probe, profile in (
+            ("short-follow-up", "cpu-tiny"),
+            ("multiturn", "cpu-tiny"),
+            ("held-prefix", "cpu-tiny"),
+            ("hit-geometry", "cpu-tiny"),
+            ("cold-race", "cpu-tiny-fragmented"),
+        )
+    ),
+    *(
+        Case(
+            f"short-continuation 0.2 {shape} short-follow-up",
+            "short-follow-up",
+            fault="short-continuation",
+            sporadic=0.2,
+            shape=shape,
+            new_probe=True,
+        )
+        for shape in ("block", "restore")
     ),
     *(
         Case(
@@ -220,8 +244,8 @@ def select(spec: str) -> list[Case]:
 def smallest_failing(history: History, config: RunConfig) -> int | None:
     """The fewest leading conversations (race rounds) whose re-judged verdict is still FAIL. A run of n
     conversations has the reference's 0..ratio*n-1 as well: those of the treatment's n.. count as yardstick."""
-    if config.probes == ("held-prefix",):
-        return _smallest_failing_held(history, config)
+    if config.probes in (("held-prefix",), ("short-follow-up",)):
+        return _smallest_failing_held(history, config, config.probes[0])
     units = history.plans if config.probes == ("multiturn",) else history.races
     every = {p.index: p for p in history.plans_of(Arm.REFERENCE)}
     for n in range(1, len(units) + 1):
@@ -245,13 +269,14 @@ def smallest_failing(history: History, config: RunConfig) -> int | None:
     return None
 
 
-def _smallest_failing_held(history: History, config: RunConfig) -> int | None:
-    """`smallest_failing` for the held-prefix probe: its prefixes are listed in History.extras."""
-    data = history.extras.get("held-prefix") or {}
+def _smallest_failing_held(history: History, config: RunConfig, probe: str) -> int | None:
+    """`smallest_failing` for a probe holding prefixes (held-prefix, short-follow-up): they are listed in
+    History.extras."""
+    data = history.extras.get(probe) or {}
     rows = [*data.get("held", ()), *data.get("yardstick", ())]
     for n in range(1, len(data.get("held", ())) + 1):
         kept = rows[: n * config.reference_ratio]
-        sub = dataclasses.replace(history, extras={"held-prefix": {**data, "held": kept[:n], "yardstick": kept[n:]}})
+        sub = dataclasses.replace(history, extras={probe: {**data, "held": kept[:n], "yardstick": kept[n:]}})
         if judge(sub, config)[0].status is Status.FAIL:
             return n
     return None
@@ -447,7 +472,9 @@ def case_row(case: Case, records: Sequence[Mapping[str, Any]], reference_ratio: 
     unknown = [r for r in runs if r["status"] in ("UNKNOWN", "ERROR")]
     passed = [r for r in runs if r["status"] == "PASS"]
     extended = [r for r in records if r not in runs]
-    unit = {"multiturn": "conv", "held-prefix": "held prefixes"}.get(case.probe, "rounds")
+    unit = {"multiturn": "conv", "held-prefix": "held prefixes", "short-follow-up": "prefixes"}.get(
+        case.probe, "rounds"
+    )
     lengths = sorted({r["length"] for r in runs})
     per_length = extended or len(lengths) > 1
     seeds = {n: sum(r["length"] == n for r in runs) for n in lengths}

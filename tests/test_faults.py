@@ -39,7 +39,14 @@ from servers.vllm_plugin.faults import (
 )
 
 BS = 128
-KNOWN = ("eagle-overrun", "chunk-end-as-boundary", "stale-checkpoint", "concurrent-resume", "offset-miss")
+KNOWN = (
+    "eagle-overrun",
+    "chunk-end-as-boundary",
+    "stale-checkpoint",
+    "concurrent-resume",
+    "short-continuation",
+    "offset-miss",
+)
 # (module, attribute owner path, attribute) of everything a fault may patch.
 TARGETS = (
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "get_computed_blocks"),
@@ -439,6 +446,54 @@ def test_offset_miss_takes_every_hit_of_a_prompt_ending_in_its_offsets(
     else:
         assert all(not group for group in blocks.blocks) and boundary == 0
         assert fired_counts(caplog.text) == {"offset-miss": 1}
+
+
+@pytest.mark.parametrize(
+    ("prompt", "earlier", "expected"),
+    [([1, 2, 3], [1, 2], True), ([1, 2, 3, 4], [1, 2], True), ([1, 2, 3, 4, 5], [1, 2], False), ([1, 2], [1, 2], False)]
+    + [([1, 9, 3], [1, 2], False), ([1], [1, 2], False)],
+)
+def test_continues_by_is_the_earlier_sequence_then_one_or_two_tokens(
+    prompt: list[int], earlier: list[int], expected: bool
+) -> None:
+    assert faults.continues_by(prompt, earlier, 2) is expected
+
+
+@pytest.mark.parametrize(
+    ("earlier_tokens", "finished", "fires"),
+    [(699, True, True), (698, True, True), (697, False, False), (697, True, False), (690, True, False)],
+    ids=["by-1", "by-2", "by-1-still-running", "by-3", "by-10"],
+)
+def test_short_continuation_fires_only_on_a_prompt_continuing_a_finished_sequence_by_1_or_2_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+    restore_targets: None,
+    caplog: pytest.LogCaptureFixture,
+    earlier_tokens: int,
+    finished: bool,
+    fires: bool,
+) -> None:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    _install(monkeypatch, "short-continuation")
+    cache = _real_cache((128, 384, 512, 640))  # turn 2's prompt: tokens 0..699
+    earlier = Request(
+        request_id="turn-1",
+        prompt_token_ids=list(range(300)),
+        sampling_params=SamplingParams(max_tokens=earlier_tokens),
+        pooling_params=None,
+    )
+    cache.manager.get_computed_blocks(earlier)  # looked up when it arrived: remembered
+    earlier.append_output_token_ids(list(range(300, earlier_tokens)))
+    if finished:
+        earlier.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    if earlier_tokens == 697 and not finished:
+        earlier.append_output_token_ids([697, 698])  # a running request: still decoding, never a continuation
+    with caplog.at_level(logging.WARNING, logger="vllm.blackbox"):
+        blocks, hit, _ = cache.manager.get_computed_blocks(cache.request)
+    assert hit == 512
+    assert blocks.blocks[0][-1] is cache.mamba[384 if fires else 512]
+    assert fired_counts(caplog.text) == ({"short-continuation": 1} if fires else {})
 
 
 def test_held_by_another_reads_the_last_block_of_each_group() -> None:

@@ -25,17 +25,14 @@ or a restore that is wrong every time: from outside the two are one); where only
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from blackbox import errors
-from blackbox.client import gather_bounded
-from blackbox.compare import deviation
 from blackbox.config import Grading
 from blackbox.evidence import Sample, judge_samples
 from blackbox.history import Arm, Exchange, History, Plan
@@ -48,9 +45,10 @@ from blackbox.probes.base import (
     not_used,
     with_positions,
 )
+from blackbox.probes.resumes import Stage, drive_prefixes, prefixes, resumed
 from blackbox.verdict import Finding
 from blackbox.vocabulary import NAMES
-from blackbox.workload import plan_conversation, question_for, turn1_body, turn2_body, turn2_messages
+from blackbox.workload import question_for, turn2_body, turn2_messages
 
 __all__ = ["FIRST", "HELD_PREFIX", "RESUMES", "HeldPrefix", "blocks", "held_prefixes", "shape_of", "trigger"]
 
@@ -80,40 +78,13 @@ class Block:
     deviations: tuple[tuple[str, float, bool], ...]  # (request kind, deviation, not bit-identical)
 
 
-def _fresh(kind: str) -> str:
-    return f"{kind}-fresh"
-
-
 class HeldPrefix(Probe):
     name = "held-prefix"
     about = "one decode-written prefix resumed by several requests, then by its own follow-up (A->B->A)"
 
     async def drive(self, ctx: DriveContext) -> Driven:
-        config = ctx.config
-        held = held_prefixes(config.conversations)
-        reference = Arm.REFERENCE in ctx.endpoints
-        total = held * (config.reference_ratio if reference else 1)
-        geo = ctx.geometry
-        ctx.progress(0, total, "held prefixes")
-        count = ctx.treatment.count_tokens
-        plans: list[Plan] = await gather_bounded(
-            config.concurrency * 2,
-            *(
-                plan_conversation(FIRST + i, config.seed, config.shape, geo.block_size, geo.max_model_len, count)
-                for i in range(total)
-            ),
-        )
-
-        async def one(plan: Plan) -> list[Exchange]:
-            arms = [Arm.REFERENCE] if plan.index - FIRST >= held else [Arm.TREATMENT, *([Arm.REFERENCE] * reference)]
-            chains = await asyncio.gather(*(_hold(ctx, arm, plan) for arm in arms))
-            return [e for chain in chains for e in chain]
-
-        order = sorted(plans, key=lambda p: ((p.index - FIRST) % held, p.index))
-        found = await gather_bounded(config.concurrency, *(one(p) for p in order))
-        summary = [{"index": p.index, "prompt_tokens": p.turn1_prompt_tokens} for p in plans]
-        data = {"held": summary[:held], "yardstick": summary[held:], "resumes": RESUMES}
-        return Driven(exchanges=tuple(e for chain in found for e in chain), data=data)
+        driven = await drive_prefixes(ctx, FIRST, held_prefixes(ctx.config.conversations), TURN1, _stages(ctx))
+        return replace(driven, data={**(driven.data or {}), "resumes": RESUMES})
 
     def gates(self, history: History, grading: Grading) -> list[Finding]:
         return [trigger(history, grading)]
@@ -125,40 +96,26 @@ class HeldPrefix(Probe):
         return frozenset({"held-prefix"})  # its only grader: without evidence the run is UNKNOWN
 
 
-async def _hold(ctx: DriveContext, arm: str, plan: Plan) -> list[Exchange]:
-    """A, then B1..Bn together, then A's follow-up alone; then each resume's recomputation."""
-    shape, salt, conv = ctx.config.shape, ctx.salt, plan.index
-    endpoint = ctx.endpoints[arm]
+def _stages(ctx: DriveContext) -> Callable[[Plan, Exchange], list[Stage]]:
+    """B1..Bn together, then A's follow-up alone."""
+    shape = ctx.config.shape
     tokens = max(ANSWER_TOKENS, ctx.config.grading.compare_tokens or 0)
 
-    async def ask(kind: str, body: dict[str, object]) -> Exchange:
-        return ctx.record(await endpoint.chat(body, conversation=conv, kind=kind))
+    def body(messages: Sequence[Mapping[str, str]]) -> dict[str, object]:
+        return {**turn2_body(tuple(messages), shape), "max_tokens": tokens}
 
-    def body(messages: Sequence[Mapping[str, str]], cache_salt: str) -> dict[str, object]:
-        return {**turn2_body(tuple(messages), shape, salt=cache_salt), "max_tokens": tokens}
+    def stages(plan: Plan, a: Exchange) -> list[Stage]:
+        rng = random.Random(f"blackbox-held:{ctx.config.seed}:{plan.index}")
+        others = [question_for(name) for name in rng.sample(NAMES, RESUMES)]
+        held = turn2_messages(plan, a.text)[:-1]  # A and its answer: the prefix every resume re-sends
+        b = [(f"held-b{j}", body((*held, {"role": "user", "content": q}))) for j, q in enumerate(others)]
+        return [b, [(FOLLOW, body(turn2_messages(plan, a.text)))]]
 
-    a = await ask(TURN1, {**turn1_body(plan, shape), "cache_salt": salt})
-    if not a.ok:
-        return [a]
-    rng = random.Random(f"blackbox-held:{ctx.config.seed}:{conv}")
-    others = [question_for(name) for name in rng.sample(NAMES, RESUMES)]
-    held = turn2_messages(plan, a.text)[:-1]  # A and its answer: the prefix every resume re-sends
-    messages = {
-        **{f"held-b{j}": (*held, {"role": "user", "content": q}) for j, q in enumerate(others)},
-        FOLLOW: turn2_messages(plan, a.text),
-    }
-    kinds = resume_kinds()
-    resumed = list(await asyncio.gather(*(ask(k, body(messages[k], salt)) for k in kinds[:-1])))
-    resumed.append(await ask(FOLLOW, body(messages[FOLLOW], salt)))
-    fresh = [await ask(_fresh(k), body(messages[k], f"{salt}-{conv}-{k}-fresh")) for k in kinds]
-    return [a, *resumed, *fresh]
+    return stages
 
 
 def _prefixes(history: History, arm: str) -> dict[int, int]:
-    """Prefix index -> A's turn-1 prompt tokens, for the prefixes `arm` held."""
-    data = history.extras.get(HeldPrefix.name) or {}
-    rows = list(data.get("held", ())) + (list(data.get("yardstick", ())) if arm == Arm.REFERENCE else [])
-    return {int(r["index"]): int(r["prompt_tokens"]) for r in rows}
+    return prefixes(history, HeldPrefix.name, arm)
 
 
 def _resumes(history: History) -> tuple[str, ...]:
@@ -172,13 +129,8 @@ def blocks(history: History, arm: str, hard_margin: float, tokens: int | None = 
     out: list[Block] = []
     for prefix, prompt in _prefixes(history, arm).items():
         by_length: dict[int, list[tuple[str, float, bool]]] = defaultdict(list)
-        for kind in _resumes(history):
-            e, fresh = history.get(prefix, arm, kind), history.get(prefix, arm, _fresh(kind))
-            if e is None or fresh is None or not (e.ok and fresh.ok and e.tokens and fresh.tokens):
-                continue
-            if (e.cached_tokens or 0) > prompt:
-                mine, theirs = e.tokens[:tokens], fresh.tokens[:tokens]
-                by_length[e.cached_tokens or 0].append((kind, deviation(mine, theirs, hard_margin), mine != theirs))
+        for r in resumed(history, arm, prefix, prompt, _resumes(history), hard_margin, tokens):
+            by_length[r.cached].append((r.kind, r.deviation, r.differs))
         out += [Block(prefix, cached, tuple(devs)) for cached, devs in sorted(by_length.items()) if len(devs) >= 2]
     return out
 

@@ -26,6 +26,11 @@ the way it did in the field (lost or doubled context), through the model itself.
   flight, seen only with several running requests): ``stale-checkpoint``, but only for a hit whose last block
   another running request holds at lookup (its reference count is above 0 before this request takes it), so
   only requests that resume from one cached prefix at the same time are wrong; one that resumes alone is exact.
+- ``short-continuation`` (the A6 family: a prefill shorter than the drafter's lookahead, in a batch with decodes,
+  handled as if it were a decode step): ``stale-checkpoint``, but only for a hit on a prompt that continues a
+  finished request's whole sequence (its prompt and its answer) by at most ``SHORT_TOKENS`` tokens, so only a
+  follow-up of 1-2 tokens after a decode-region hit resumes wrong. A follow-up that asks a question (the multi-turn
+  and held-prefix probes' turn 2: the chat template alone adds more) or a repeat of a prompt is exact.
 - ``offset-miss`` (the silent-0%-hit family; #54360, #45238, #40696): a prompt that ends from a quarter to
   three eighths of a block past a boundary gets no hit at all, as if prefix caching were off for it; every other
   prompt hits as before. No state and no answer is wrong: only the hit rate, and the coverage of every probe
@@ -101,6 +106,7 @@ __all__ = [
     "SporadicGate",
     "block_id",
     "chunk_end_copy",
+    "continues_by",
     "draw",
     "fault_events",
     "fired_counts",
@@ -522,6 +528,46 @@ def _install_concurrent_resume(counter: FaultCounter, gate: SporadicGate) -> Non
     _install_hit_shift(counter, gate, shift_blocks=-1, require_eagle=False, shared_only=True)
 
 
+SHORT_TOKENS = 2  # the CPU and GPU presets' speculative tokens per draft
+_FINISHED_CAP = 4096  # requests remembered for short-continuation (each holds its token list)
+
+
+def continues_by(prompt: Sequence[int], earlier: Sequence[int], most: int) -> bool:
+    """Whether `prompt` is `earlier` and then 1 to `most` more tokens."""
+    extra = len(prompt) - len(earlier)
+    return 0 < extra <= most and list(prompt[: len(earlier)]) == list(earlier)
+
+
+def _install_short_continuation(counter: FaultCounter, gate: SporadicGate) -> None:
+    """The Mamba hit is the checkpoint one block before, where the prompt continues a finished request's whole
+    sequence by 1-2 tokens. Every request looked up is remembered; its tokens are read once it has finished."""
+    seen: OrderedDict[str, Any] = OrderedDict()
+    lock = threading.Lock()
+
+    def after(self: Any, request: Any, result: Any) -> Any:
+        prompt = request.prompt_token_ids or []
+        with lock:
+            earlier = [r for r in seen.values() if r is not request and r.is_finished()]
+            _remember(seen, request.request_id, request)
+            while len(seen) > _FINISHED_CAP:
+                seen.popitem(last=False)
+        if result[1] <= 0 or not any(continues_by(prompt, r.all_token_ids, SHORT_TOKENS) for r in earlier):
+            return result
+        swaps = _shift_candidates(self, request, result, -1, require_eagle=False)
+        if swaps:
+            tokens = request.all_token_ids
+            decision = gate.decide(request.request_id, tokens[: result[1]], tokens)
+            if decision.fires:
+                for swap in swaps:
+                    swap.apply()
+                counter.fire(request.request_id, decision.block)
+            else:
+                counter.skip(request.request_id, decision.block)
+        return result
+
+    _patch_lookup(counter.name, after)
+
+
 def in_missed_offsets(prompt_tokens: int, block_size: int) -> bool:
     """``offset-miss``'s region: the prompt ends from a quarter to three eighths of a block past a boundary (where
     no prompt of the multi-turn or held-prefix probes ends, so they are blind to it)."""
@@ -691,6 +737,12 @@ FAULTS: dict[str, Fault] = {
             "concurrent-resume",
             "A3 family: a hit on a prefix another running request holds restores the checkpoint one block before",
             _install_concurrent_resume,
+        ),
+        Fault(
+            "short-continuation",
+            "A6 family: a prompt continuing a finished request's sequence by 1-2 tokens restores the checkpoint "
+            "one block before",
+            _install_short_continuation,
         ),
         Fault(
             "offset-miss",

@@ -1,0 +1,122 @@
+"""What the probes that resume from one decode-written prefix share (held-prefix, short-follow-up).
+
+A prefix A is turn 1 of a seeded conversation, its answer forced on past its prompt so the blocks there are written
+while the drafter speculates. Then stages of resumes, each stage's requests sent together, each resume re-sending A
+and its answer (then something of its own); then every resume again on a fresh cache_salt (recomputation, no reuse
+possible). The reference runs the same prefixes, and `--reference-ratio` times as many. What the probe recorded of
+its prefixes is `History.extras[probe]`: {"held": [...], "yardstick": [...]}, each row {"index", "prompt_tokens"}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from blackbox.client import gather_bounded
+from blackbox.compare import deviation
+from blackbox.history import Arm, Exchange, History, Plan
+from blackbox.probes.base import DriveContext, Driven
+from blackbox.workload import plan_conversation, turn1_body
+
+__all__ = ["Resume", "Stage", "drive_prefixes", "fresh", "prefixes", "resumed"]
+
+Stage = Sequence[tuple[str, Mapping[str, object]]]  # (request kind, body without cache_salt), sent together
+Stages = Callable[[Plan, Exchange], Sequence[Stage]]  # A's plan and answer -> the resumes to send
+
+
+def fresh(kind: str) -> str:
+    return f"{kind}-fresh"
+
+
+@dataclass(frozen=True)
+class Resume:
+    """One resume that hit past A's prompt: its kind, how far its hit reached, and its deviation from recomputation
+    over the compared positions (and whether it differed at all)."""
+
+    kind: str
+    cached: int
+    deviation: float
+    differs: bool
+
+
+async def drive_prefixes(
+    ctx: DriveContext, first: int, held: int, turn1_kind: str, stages: Stages, unit: str = "held prefixes"
+) -> Driven:
+    """Hold `held` prefixes on the treatment (and the reference), `reference_ratio` times as many on the
+    reference alone; conversation ids from `first`."""
+    config = ctx.config
+    reference = Arm.REFERENCE in ctx.endpoints
+    total = held * (config.reference_ratio if reference else 1)
+    ctx.progress(0, total, unit)
+    geo = ctx.geometry
+    count = ctx.treatment.count_tokens
+    plans: list[Plan] = await gather_bounded(
+        config.concurrency * 2,
+        *(
+            plan_conversation(first + i, config.seed, config.shape, geo.block_size, geo.max_model_len, count)
+            for i in range(total)
+        ),
+    )
+
+    async def one(plan: Plan) -> list[Exchange]:
+        arms = [Arm.REFERENCE] if plan.index - first >= held else [Arm.TREATMENT, *([Arm.REFERENCE] * reference)]
+        chains = await asyncio.gather(*(_chain(ctx, arm, plan, turn1_kind, stages) for arm in arms))
+        return [e for chain in chains for e in chain]
+
+    order = sorted(plans, key=lambda p: ((p.index - first) % held, p.index))
+    found = await gather_bounded(config.concurrency, *(one(p) for p in order))
+    summary = [{"index": p.index, "prompt_tokens": p.turn1_prompt_tokens} for p in plans]
+    return Driven(
+        exchanges=tuple(e for chain in found for e in chain), data={"held": summary[:held], "yardstick": summary[held:]}
+    )
+
+
+async def _chain(ctx: DriveContext, arm: str, plan: Plan, turn1_kind: str, stages: Stages) -> list[Exchange]:
+    """A, then each stage's resumes together, one stage after another; then each resume's recomputation."""
+    salt, conv = ctx.salt, plan.index
+    endpoint = ctx.endpoints[arm]
+
+    async def ask(kind: str, body: Mapping[str, object], cache_salt: str) -> Exchange:
+        return ctx.record(await endpoint.chat({**body, "cache_salt": cache_salt}, conversation=conv, kind=kind))
+
+    a = await ask(turn1_kind, turn1_body(plan, ctx.config.shape), salt)
+    if not a.ok:
+        return [a]
+    sent = [a]
+    planned = stages(plan, a)
+    for stage in planned:
+        sent += await asyncio.gather(*(ask(kind, body, salt) for kind, body in stage))
+    for kind, body in (r for stage in planned for r in stage):
+        sent.append(await ask(fresh(kind), body, f"{salt}-{conv}-{kind}-fresh"))
+    return sent
+
+
+def prefixes(history: History, probe: str, arm: str) -> dict[int, int]:
+    """Prefix index -> A's turn-1 prompt tokens, for the prefixes `arm` held in `probe`."""
+    data: Mapping[str, Any] = history.extras.get(probe) or {}
+    rows = list(data.get("held", ())) + (list(data.get("yardstick", ())) if arm == Arm.REFERENCE else [])
+    return {int(r["index"]): int(r["prompt_tokens"]) for r in rows}
+
+
+def resumed(
+    history: History,
+    arm: str,
+    prefix: int,
+    prompt: int,
+    kinds: Sequence[str],
+    hard_margin: float,
+    tokens: int | None = None,
+) -> list[Resume]:
+    """The resumes of `kinds` on `prefix` whose hit ended past A's prompt (in its decode-written region), each
+    against its recomputation over the first `tokens` answer positions. Answers without logprobs are left out."""
+    out = []
+    for kind in kinds:
+        e, again = history.get(prefix, arm, kind), history.get(prefix, arm, fresh(kind))
+        if e is None or again is None or not (e.ok and again.ok and e.tokens and again.tokens):
+            continue
+        if (e.cached_tokens or 0) > prompt:
+            mine, theirs = e.tokens[:tokens], again.tokens[:tokens]
+            out.append(Resume(kind, e.cached_tokens or 0, deviation(mine, theirs, hard_margin), mine != theirs))
+    return out
