@@ -450,8 +450,14 @@ def test_offset_miss_takes_every_hit_of_a_prompt_ending_in_its_offsets(
 
 @pytest.mark.parametrize(
     ("prompt", "earlier", "expected"),
-    [([1, 2, 3], [1, 2], True), ([1, 2, 3, 4], [1, 2], True), ([1, 2, 3, 4, 5], [1, 2], False), ([1, 2], [1, 2], False)]
-    + [([1, 9, 3], [1, 2], False), ([1], [1, 2], False)],
+    [
+        ([1, 2, 3], [1, 2], True),
+        ([1, 2, 3, 4], [1, 2], True),
+        ([1, 2, 3, 4, 5], [1, 2], False),
+        ([1, 2], [1, 2], False),
+        ([1, 9, 3], [1, 2], False),
+        ([1], [1, 2], False),
+    ],
 )
 def test_continues_by_is_the_earlier_sequence_then_one_or_two_tokens(
     prompt: list[int], earlier: list[int], expected: bool
