@@ -74,6 +74,14 @@ GPU_MEMORY_BUDGET = 0.90
 # --max-num-seqs here (MTP needs no extra drafting slots); 8 decoding requests take 24 of it.
 FRAGMENTED_BATCHED_TOKENS = 96
 
+# A KV cache the load probe's conversations cannot fit in (blackbox/probes/load.py): 80 blocks of the shared
+# hybrid pool are the fewest that still serve one 4096-token request on the tiny model (vLLM refuses 48: "estimated
+# maximum model length is 2688"), about five multi-turn conversations' worth, while --max-num-seqs 8 run at once.
+# Every eviction is sampled (--kv-cache-metrics-sample 1.0), so the probe's trigger can count them.
+LOAD_KV_ARGS: tuple[str, ...] = (
+    "--num-gpu-blocks-override", "80", "--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0",
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class ServerSpec:
@@ -141,6 +149,7 @@ PROFILES: Mapping[str, Profile] = {
             None,
             args=(*_CPU_ARGS, "--max-num-batched-tokens", str(FRAGMENTED_BATCHED_TOKENS)),
         ),
+        Profile("cpu-tiny-load", "cpu", None, args=(*_CPU_ARGS, *LOAD_KV_ARGS)),
         # The tiny model trained to recall its documents' needles (servers/recall_model.py): the recall grader and
         # the single-endpoint mode without a reference run against it.
         Profile("cpu-tiny-recall", "cpu", None, args=_CPU_ARGS),

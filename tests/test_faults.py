@@ -44,6 +44,7 @@ KNOWN = (
     "chunk-end-as-boundary",
     "stale-checkpoint",
     "concurrent-resume",
+    "preempted-resume",
     "short-continuation",
     "offset-miss",
 )
@@ -421,6 +422,20 @@ def test_concurrent_resume_fires_only_where_another_running_request_holds_the_hi
     assert hit == 512
     assert blocks.blocks[0][-1] is cache.mamba[384 if held else 512]
     assert fired_counts(caplog.text) == ({"concurrent-resume": 1} if held else {})
+
+
+@pytest.mark.parametrize("preempted", [False, True], ids=["never-preempted", "rescheduled-after-a-preemption"])
+def test_preempted_resume_fires_only_for_a_request_that_was_preempted(
+    monkeypatch: pytest.MonkeyPatch, restore_targets: None, caplog: pytest.LogCaptureFixture, preempted: bool
+) -> None:
+    _install(monkeypatch, "preempted-resume")
+    cache = _real_cache((128, 384, 512, 640))
+    cache.request.num_preemptions = int(preempted)
+    with caplog.at_level(logging.WARNING, logger="vllm.blackbox"):
+        blocks, hit, _ = cache.manager.get_computed_blocks(cache.request)
+    assert hit == 512
+    assert blocks.blocks[0][-1] is cache.mamba[384 if preempted else 512]
+    assert fired_counts(caplog.text) == ({"preempted-resume": 1} if preempted else {})
 
 
 @pytest.mark.parametrize(("offset", "missed"), [(0, False), (31, False), (32, True), (47, True), (48, False)])

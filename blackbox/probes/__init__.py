@@ -9,13 +9,16 @@ from blackbox.probes.base import Probe
 from blackbox.probes.cold_race import COLD_RACE
 from blackbox.probes.held_prefix import HELD_PREFIX
 from blackbox.probes.hit_geometry import HIT_GEOMETRY
+from blackbox.probes.load import LOAD
 from blackbox.probes.multiturn import MULTITURN
 from blackbox.probes.short_followup import SHORT_FOLLOW_UP
 
 __all__ = ["ALL", "PROBES", "Probe", "expand", "selected"]
 
 # In the order they run and report (a run of several drives each in turn on the same servers).
-PROBES: Mapping[str, Probe] = {p.name: p for p in (MULTITURN, COLD_RACE, HELD_PREFIX, SHORT_FOLLOW_UP, HIT_GEOMETRY)}
+PROBES: Mapping[str, Probe] = {
+    p.name: p for p in (MULTITURN, COLD_RACE, HELD_PREFIX, SHORT_FOLLOW_UP, LOAD, HIT_GEOMETRY)
+}
 ALL = "all"  # --probe all: every probe
 
 

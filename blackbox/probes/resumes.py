@@ -42,10 +42,16 @@ class Resume:
 
 
 async def drive_prefixes(
-    ctx: DriveContext, first: int, held: int, turn1_kind: str, stages: Stages, unit: str = "held prefixes"
+    ctx: DriveContext,
+    first: int,
+    held: int,
+    turn1_kind: str,
+    stages: Stages,
+    unit: str = "held prefixes",
+    in_flight: int | None = None,
 ) -> Driven:
     """Hold `held` prefixes on the treatment (and the reference), `reference_ratio` times as many on the
-    reference alone; conversation ids from `first`."""
+    reference alone; conversation ids from `first`; `in_flight` chains at once (default --concurrency)."""
     config = ctx.config
     reference = Arm.REFERENCE in ctx.endpoints
     total = held * (config.reference_ratio if reference else 1)
@@ -66,7 +72,7 @@ async def drive_prefixes(
         return [e for chain in chains for e in chain]
 
     order = sorted(plans, key=lambda p: ((p.index - first) % held, p.index))
-    found = await gather_bounded(config.concurrency, *(one(p) for p in order))
+    found = await gather_bounded(in_flight or config.concurrency, *(one(p) for p in order))
     summary = [{"index": p.index, "prompt_tokens": p.turn1_prompt_tokens} for p in plans]
     return Driven(
         exchanges=tuple(e for chain in found for e in chain), data={"held": summary[:held], "yardstick": summary[held:]}

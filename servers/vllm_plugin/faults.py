@@ -26,6 +26,10 @@ the way it did in the field (lost or doubled context), through the model itself.
   flight, seen only with several running requests): ``stale-checkpoint``, but only for a hit whose last block
   another running request holds at lookup (its reference count is above 0 before this request takes it), so
   only requests that resume from one cached prefix at the same time are wrong; one that resumes alone is exact.
+- ``preempted-resume`` (the load family; #53919's corruption appeared only with several running requests, and
+  under memory pressure vLLM preempts a running request, frees its blocks and later reschedules it, looking up
+  its own prompt and answer so far in the prefix cache): ``stale-checkpoint``, but only for a request that was
+  preempted at least once, so only a server whose KV cache is too small for its load resumes wrong.
 - ``short-continuation`` (the A6 family: a prefill shorter than the drafter's lookahead, in a batch with decodes,
   handled as if it were a decode step): ``stale-checkpoint``, but only for a hit on a prompt that continues a
   finished request's whole sequence (its prompt and its answer) by at most ``SHORT_TOKENS`` tokens, so only a
@@ -491,10 +495,13 @@ def _install_hit_shift(
     gate: SporadicGate,
     shift_blocks: int,
     require_eagle: bool,
-    shared_only: bool = False,
+    when: Callable[[Any, Any], bool] | None = None,
 ) -> None:
+    """Shift the Mamba hit by `shift_blocks`, for every lookup or only those `when(request, result)` picks (called
+    on every lookup, hit or not, so it may remember what it sees)."""
+
     def after(self: Any, request: Any, result: Any) -> Any:
-        if shared_only and not held_by_another(result[0].blocks, result[1]):
+        if when is not None and not when(request, result):
             return result
         swaps = _shift_candidates(self, request, result, shift_blocks, require_eagle)
         if swaps:
@@ -525,7 +532,20 @@ def _install_stale_checkpoint(counter: FaultCounter, gate: SporadicGate) -> None
 
 def _install_concurrent_resume(counter: FaultCounter, gate: SporadicGate) -> None:
     """The Mamba hit is the checkpoint one block before, where another running request holds the hit."""
-    _install_hit_shift(counter, gate, shift_blocks=-1, require_eagle=False, shared_only=True)
+    _install_hit_shift(
+        counter,
+        gate,
+        shift_blocks=-1,
+        require_eagle=False,
+        when=lambda _, result: held_by_another(result[0].blocks, result[1]),
+    )
+
+
+def _install_preempted_resume(counter: FaultCounter, gate: SporadicGate) -> None:
+    """The Mamba hit is the checkpoint one block before, for a request rescheduled after a preemption."""
+    _install_hit_shift(
+        counter, gate, shift_blocks=-1, require_eagle=False, when=lambda request, _: request.num_preemptions > 0
+    )
 
 
 SHORT_TOKENS = 2  # the CPU and GPU presets' speculative tokens per draft
@@ -544,28 +564,16 @@ def _install_short_continuation(counter: FaultCounter, gate: SporadicGate) -> No
     seen: OrderedDict[str, Any] = OrderedDict()
     lock = threading.Lock()
 
-    def after(self: Any, request: Any, result: Any) -> Any:
-        prompt = request.prompt_token_ids or []
+    def continues_a_finished_one(request: Any, result: Any) -> bool:
         with lock:
             earlier = [r for r in seen.values() if r is not request and r.is_finished()]
             _remember(seen, request.request_id, request)
             while len(seen) > _FINISHED_CAP:
                 seen.popitem(last=False)
-        if result[1] <= 0 or not any(continues_by(prompt, r.all_token_ids, SHORT_TOKENS) for r in earlier):
-            return result
-        swaps = _shift_candidates(self, request, result, -1, require_eagle=False)
-        if swaps:
-            tokens = request.all_token_ids
-            decision = gate.decide(request.request_id, tokens[: result[1]], tokens)
-            if decision.fires:
-                for swap in swaps:
-                    swap.apply()
-                counter.fire(request.request_id, decision.block)
-            else:
-                counter.skip(request.request_id, decision.block)
-        return result
+        prompt = request.prompt_token_ids or []
+        return result[1] > 0 and any(continues_by(prompt, r.all_token_ids, SHORT_TOKENS) for r in earlier)
 
-    _patch_lookup(counter.name, after)
+    _install_hit_shift(counter, gate, shift_blocks=-1, require_eagle=False, when=continues_a_finished_one)
 
 
 def in_missed_offsets(prompt_tokens: int, block_size: int) -> bool:
@@ -737,6 +745,11 @@ FAULTS: dict[str, Fault] = {
             "concurrent-resume",
             "A3 family: a hit on a prefix another running request holds restores the checkpoint one block before",
             _install_concurrent_resume,
+        ),
+        Fault(
+            "preempted-resume",
+            "load family: a request rescheduled after a preemption restores the checkpoint one block before",
+            _install_preempted_resume,
         ),
         Fault(
             "short-continuation",

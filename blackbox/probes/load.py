@@ -1,0 +1,188 @@
+"""The load probe: many more conversations in flight than the KV cache holds, so requests are preempted and blocks
+evicted and re-written while others resume from decode-written blocks.
+
+The other probes keep a few requests in flight against a cache that holds them all, so no request is preempted and
+no decode-written block is evicted before its follow-up comes. Under memory pressure vLLM preempts a running request,
+frees its blocks and later reschedules it, looking up its own prompt and answer so far in the prefix cache, while
+the blocks other requests freed are evicted and re-allocated; #53919's async-scheduling race corrupted cached
+state only with several requests running (16/288 corrupt at max-num-seqs 4, 0/288 at 2).
+
+Plans: `--conversations` prefixes (documents of their own), each turn 1 forced on past its prompt (decode-written
+blocks), then a follow-up that re-sends it and asks a question, then that follow-up again on a fresh cache_salt
+(`probes/resumes.py`); all prefixes are sent at once (up to `IN_FLIGHT` chains), so a server with a small cache
+(`--profile cpu-tiny-load`: `--num-gpu-blocks-override`) must preempt and evict. The reference runs the same.
+
+Trigger proof (`load-trigger`): over the probe the treatment preempted requests (`vllm:num_preemptions_total`) or
+evicted cached blocks (`vllm:kv_block_idle_before_evict_seconds` count, with `--kv-cache-metrics`), and enough
+follow-ups still hit past turn 1's prompt. It states whether the treatment scheduled asynchronously (the #53919
+path): vLLM's CPU backend forces async scheduling off, so on the CPU pair this probe cannot reach that race.
+
+Grader (`load`): the statistics every grader shares, one sample per prefix (its follow-up's deviation from
+recomputation), against the reference's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from blackbox import errors
+from blackbox.config import Grading
+from blackbox.evidence import Sample, judge_samples
+from blackbox.history import Arm, Exchange, History, Plan
+from blackbox.metrics import MetricsDelta
+from blackbox.probes.base import (
+    DriveContext,
+    Driven,
+    Grader,
+    Probe,
+    compared_positions,
+    not_used,
+    settle,
+    with_positions,
+)
+from blackbox.probes.resumes import Stage, drive_prefixes, prefixes, resumed
+from blackbox.verdict import Finding
+from blackbox.workload import turn2_body, turn2_messages
+
+__all__ = ["EVICTIONS", "FIRST", "IN_FLIGHT", "LOAD", "PREEMPTIONS", "Load", "trigger"]
+
+FIRST = 50_000  # conversation id of the first prefix (apart from the other probes' documents)
+TURN1, FOLLOW = "load-a", "load-b"
+ANSWER_TOKENS = 8
+IN_FLIGHT = 16  # chains sent at once on each arm: twice the --max-num-seqs the CPU presets use
+PREEMPTIONS = "vllm:num_preemptions"
+EVICTIONS = "vllm:kv_block_idle_before_evict_seconds_count"  # one sample per evicted block (--kv-cache-metrics)
+
+
+class Load(Probe):
+    name = "load"
+    about = "many more conversations in flight than the KV cache holds: preemption and eviction under resumes"
+
+    async def drive(self, ctx: DriveContext) -> Driven:
+        before = await settle(ctx.treatment, ctx.config.settle_s)
+        driven = await drive_prefixes(
+            ctx, FIRST, ctx.config.conversations, TURN1, _stages(ctx), "prefixes under load", in_flight=IN_FLIGHT
+        )
+        window = MetricsDelta(before, await settle(ctx.treatment, ctx.config.settle_s))
+        pressure = {"preemptions": window.value(PREEMPTIONS), "evictions": window.value(EVICTIONS)}
+        return replace(driven, data={**(driven.data or {}), "window": pressure})
+
+    def gates(self, history: History, grading: Grading) -> list[Finding]:
+        return [trigger(history, grading)]
+
+    def graders(self, grading: Grading) -> list[Grader]:
+        return [Grader("load", grade, covers_trigger=True)]
+
+    def required(self, grading: Grading) -> frozenset[str]:
+        return frozenset({"load"})  # its only grader: without evidence the run is UNKNOWN
+
+
+def _stages(ctx: DriveContext) -> Callable[[Plan, Exchange], list[Stage]]:
+    shape = ctx.config.shape
+    tokens = max(ANSWER_TOKENS, ctx.config.grading.compare_tokens or 0)
+
+    def stages(plan: Plan, a: Exchange) -> list[Stage]:
+        return [[(FOLLOW, {**turn2_body(turn2_messages(plan, a.text), shape), "max_tokens": tokens})]]
+
+    return stages
+
+
+def _hits(history: History, arm: str, hard_margin: float, tokens: int | None = None) -> dict[int, Sample]:
+    out = {}
+    for p, prompt in prefixes(history, Load.name, arm).items():
+        for r in resumed(history, arm, p, prompt, (FOLLOW,), hard_margin, tokens):
+            out[p] = Sample(p, r.kind, r.deviation, r.differs)
+    return out
+
+
+def _scheduling(history: History) -> str:
+    info = history.treatment_info
+    value = info.settings.get("async_scheduling") if info is not None else None
+    if value is None:
+        return "async scheduling not published by the treatment"
+    on = value.lower() == "true"
+    cpu = info is not None and ("cpu" in (info.version or "") or any(k.startswith("VLLM_CPU_") for k in info.settings))
+    why = " (vLLM's CPU backend forces it off, so #53919's race is out of reach here)" if not on and cpu else ""
+    return f"async scheduling {'on' if on else 'off'}{why}"
+
+
+def trigger(history: History, grading: Grading) -> Finding:
+    held = prefixes(history, Load.name, Arm.TREATMENT)
+    window: Mapping[str, Any] = (history.extras.get(Load.name) or {}).get("window") or {}
+    preempted, evicted = window.get("preemptions"), window.get("evictions")
+    hit = _hits(history, Arm.TREATMENT, math.inf)
+    need = max(1, math.ceil(grading.min_trigger_fraction * len(held)))
+    scheduling = _scheduling(history)
+    figures: dict[str, Any] = {
+        "prefixes": len(held),
+        "decode_region_hits": len(hit),
+        "needed": need,
+        "preemptions": preempted,
+        "evictions": evicted,
+        "scheduling": scheduling,
+    }
+    if not preempted and not evicted:
+        said = "evictions not published (start it with --kv-cache-metrics)" if evicted is None else "0 evictions"
+        return Finding.from_error(
+            "load-trigger",
+            errors.TriggerNotExercised(
+                f"the treatment preempted no request ({preempted if preempted is not None else 'not published'}) "
+                f"and {said} during the load probe: its KV cache held the whole load",
+                hint="serve the pair with a small KV cache (--profile cpu-tiny-load, or --num-gpu-blocks-override N "
+                "on both arms) so the probe's conversations do not fit",
+            ),
+            **figures,
+        )
+    if len(hit) < need:
+        return Finding.from_error(
+            "load-trigger",
+            errors.TriggerNotExercised(
+                f"only {len(hit)} of {len(held)} follow-ups under load hit past turn 1's prompt (need {need}): the "
+                "cache evicted their decode-written blocks before they came",
+                hint="a larger --num-gpu-blocks-override, or fewer --conversations",
+            ),
+            **figures,
+        )
+    pressure = f"{int(preempted or 0)} preemptions, " + (
+        f"{int(evicted)} evicted blocks" if evicted is not None else "evictions not published"
+    )
+    return Finding.passed(
+        "load-trigger",
+        f"{len(hit)} of {len(held)} follow-ups resumed from decode-written blocks under load ({pressure}; "
+        f"{scheduling})",
+        **figures,
+    )
+
+
+def grade(history: History, grading: Grading, alpha: float) -> Finding:
+    if Arm.REFERENCE not in history.arms():
+        return not_used(
+            "load",
+            "needs a reference server (the treatment's flags without speculative decoding): without one this run "
+            "cannot measure how far a correct engine's follow-ups under load deviate from recomputation",
+        )
+    n = compared_positions(history, grading)
+    t = _hits(history, Arm.TREATMENT, grading.hard_margin, n)
+    r = _hits(history, Arm.REFERENCE, grading.hard_margin, n)
+    if not t or not r:
+        return not_used("load", f"no decode-region follow-ups under load (treatment {len(t)}, reference {len(r)})")
+    worst = sorted(t.values(), key=lambda s: -s.deviation)[:5]
+    finding = judge_samples(
+        "load",
+        list(t.values()),
+        list(r.values()),
+        alpha=alpha,
+        what="treatment follow-ups under load",
+        against="the reference's",
+        assumed=grading.yardstick_assumed,
+        runs=len(prefixes(history, Load.name, Arm.TREATMENT)),
+        hint=f"replay prefixes {[s.unit for s in worst]} (the largest deviations) from the run folder's replay/",
+        run_unit="prefixes",
+    )
+    return with_positions(n, finding)
+
+
+LOAD = Load()
