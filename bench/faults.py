@@ -97,12 +97,14 @@ class Case:
     @property
     def conversational(self) -> bool:
         """Its length is --conversations (the held-prefix probe holds half as many prefixes), not race rounds."""
-        return self.probe in ("multiturn", "held-prefix", "short-follow-up", "hit-geometry")
+        return self.probe in ("multiturn", "held-prefix", "short-follow-up", "load", "hit-geometry")
 
     @property
     def has_yardstick(self) -> bool:
         """Only a multiturn or held-prefix run with a reference has one (--reference-ratio)."""
-        return self.reference and not self.alone and self.probe in ("multiturn", "held-prefix", "short-follow-up")
+        return (
+            self.reference and not self.alone and self.probe in ("multiturn", "held-prefix", "short-follow-up", "load")
+        )
 
     def ratio(self, asked: int) -> int:
         return asked if self.has_yardstick else 1
@@ -208,6 +210,30 @@ CASES += (
         )
         for shape in ("block", "restore")
     ),
+    # Preemption and eviction under resumes: the load probe on a small KV cache, clean, its benign variants, against
+    # a cache that holds the load (UNKNOWN, not PASS), and preempted-resume (fires on nothing without preemptions:
+    # shown on the other probes too).
+    Case("clean load", "load", "cpu-tiny-load", new_probe=True),
+    Case("clean load big cache", "load", new_probe=True),
+    Case("clean 1 spec token load", "load", "cpu-tiny-load", spec_tokens=1, new_probe=True),
+    Case(
+        "clean fragmented load",
+        "load",
+        "cpu-tiny-load",
+        treatment_args=_BUDGET,
+        reference_args=_BUDGET,
+        new_probe=True,
+    ),
+    *(
+        Case(f"preempted-resume {probe}", probe, profile, fault="preempted-resume", new_probe=True)
+        for probe, profile in (
+            ("load", "cpu-tiny-load"),
+            ("multiturn", "cpu-tiny"),
+            ("held-prefix", "cpu-tiny"),
+            ("short-follow-up", "cpu-tiny"),
+            ("cold-race", "cpu-tiny-fragmented"),
+        )
+    ),
     *(
         Case(
             f"eagle-overrun 0.5 {shape} held-prefix",
@@ -244,7 +270,7 @@ def select(spec: str) -> list[Case]:
 def smallest_failing(history: History, config: RunConfig) -> int | None:
     """The fewest leading conversations (race rounds) whose re-judged verdict is still FAIL. A run of n
     conversations has the reference's 0..ratio*n-1 as well: those of the treatment's n.. count as yardstick."""
-    if config.probes in (("held-prefix",), ("short-follow-up",)):
+    if config.probes in (("held-prefix",), ("short-follow-up",), ("load",)):
         return _smallest_failing_held(history, config, config.probes[0])
     units = history.plans if config.probes == ("multiturn",) else history.races
     every = {p.index: p for p in history.plans_of(Arm.REFERENCE)}

@@ -94,7 +94,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         action="append",
         choices=[*probes.PROBES, probes.ALL],
         help="; ".join(f"{p.name}: {p.about}" for p in probes.PROBES.values())
-        + f". Repeat for several; {probes.ALL}: every probe.",
+        + f". Repeat for several; {probes.all_help()}.",
     )
     p.add_argument("--racers", type=int, default=RaceSettings.racers, help="identical prompts per cold-race round")
     p.add_argument(

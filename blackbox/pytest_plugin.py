@@ -70,7 +70,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--blackbox-probe",
         action="append",
         choices=[*probes.PROBES, probes.ALL],
-        help=f"one test item per probe; repeat for several, {probes.ALL} for every one (default multiturn) "
+        help=f"one test item per probe; repeat for several ({probes.all_help()}; default multiturn) "
         "[BLACKBOX_PROBES=a,b]",
     )
     group.addoption(

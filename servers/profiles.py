@@ -74,12 +74,13 @@ GPU_MEMORY_BUDGET = 0.90
 # --max-num-seqs here (MTP needs no extra drafting slots); 8 decoding requests take 24 of it.
 FRAGMENTED_BATCHED_TOKENS = 96
 
-# A KV cache the load probe's conversations cannot fit in (blackbox/probes/load.py): 80 blocks of the shared
-# hybrid pool are the fewest that still serve one 4096-token request on the tiny model (vLLM refuses 48: "estimated
-# maximum model length is 2688"), about five multi-turn conversations' worth, while --max-num-seqs 8 run at once.
+# A KV cache the load probe's conversations cannot fit in (blackbox/probes/load.py). A conversation's turn 1 takes
+# about 27 blocks of the tiny model's shared hybrid pool (vLLM refuses 48 blocks for a 4096-token request:
+# "estimated maximum model length is 2688"), so 8 running at once (--max-num-seqs 8) want up to ~216: 120 holds
+# about four. At 80 every block was evicted before its follow-up came (0 hits); at 200 nothing was preempted.
 # Every eviction is sampled (--kv-cache-metrics-sample 1.0), so the probe's trigger can count them.
 LOAD_KV_ARGS: tuple[str, ...] = (
-    "--num-gpu-blocks-override", "80", "--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0",
+    "--num-gpu-blocks-override", "120", "--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0",
 )  # fmt: skip
 
 

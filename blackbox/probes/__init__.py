@@ -13,13 +13,14 @@ from blackbox.probes.load import LOAD
 from blackbox.probes.multiturn import MULTITURN
 from blackbox.probes.short_followup import SHORT_FOLLOW_UP
 
-__all__ = ["ALL", "PROBES", "Probe", "expand", "selected"]
+__all__ = ["ALL", "IN_ALL", "PROBES", "Probe", "all_help", "expand", "selected"]
 
 # In the order they run and report (a run of several drives each in turn on the same servers).
 PROBES: Mapping[str, Probe] = {
     p.name: p for p in (MULTITURN, COLD_RACE, HELD_PREFIX, SHORT_FOLLOW_UP, LOAD, HIT_GEOMETRY)
 }
-ALL = "all"  # --probe all: every probe
+ALL = "all"  # --probe all: every probe that needs no servers launched for it (see Probe.launched_for)
+IN_ALL = tuple(n for n, p in PROBES.items() if p.launched_for is None)
 
 
 def expand(names: Iterable[str]) -> tuple[str, ...]:
@@ -29,8 +30,14 @@ def expand(names: Iterable[str]) -> tuple[str, ...]:
     for name in names:
         if name not in PROBES and name != ALL:
             raise UsageError(f"unknown probe {name!r}; choose from {', '.join(PROBES)} or {ALL}")
-        out.extend(PROBES if name == ALL else (name,))
+        out.extend(IN_ALL if name == ALL else (name,))
     return tuple(dict.fromkeys(out))
+
+
+def all_help() -> str:
+    """What `all` means, for --help: the probes it leaves out and why."""
+    left = [f"{n} ({p.launched_for})" for n, p in PROBES.items() if p.launched_for is not None]
+    return f"{ALL}: every probe" + (f" but {', '.join(left)}" if left else "")
 
 
 def selected(names: Sequence[str]) -> list[Probe]:

@@ -96,6 +96,8 @@ class Probe(ABC):
 
     name: ClassVar[str]
     about: ClassVar[str]
+    # Why `--probe all` leaves this probe out (it needs servers launched for it), or None: `all` runs it.
+    launched_for: ClassVar[str | None] = None
 
     @abstractmethod
     async def drive(self, ctx: DriveContext) -> Driven:

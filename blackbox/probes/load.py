@@ -9,8 +9,12 @@ state only with several requests running (16/288 corrupt at max-num-seqs 4, 0/28
 
 Plans: `--conversations` prefixes (documents of their own), each turn 1 forced on past its prompt (decode-written
 blocks), then a follow-up that re-sends it and asks a question, then that follow-up again on a fresh cache_salt
-(`probes/resumes.py`); all prefixes are sent at once (up to `IN_FLIGHT` chains), so a server with a small cache
-(`--profile cpu-tiny-load`: `--num-gpu-blocks-override`) must preempt and evict. The reference runs the same.
+(`probes/resumes.py`), `--concurrency` chains at once, each follow-up sent the moment its turn 1 is answered.
+Against a KV cache that holds fewer conversations than are in flight (`--profile cpu-tiny-load`:
+`--num-gpu-blocks-override`), the server must preempt running requests and evict cached blocks, while follow-ups
+look up blocks freed a moment before. (More in flight than the server runs at once does not add pressure but
+takes it away: a follow-up then waits behind queued turn 1s, whose allocations evict its blocks before it is
+looked up; measured on the CPU pair, 16 in flight against 8 running hit nothing.) The reference runs the same.
 
 Trigger proof (`load-trigger`): over the probe the treatment preempted requests (`vllm:num_preemptions_total`) or
 evicted cached blocks (`vllm:kv_block_idle_before_evict_seconds` count, with `--kv-cache-metrics`), and enough
@@ -47,25 +51,23 @@ from blackbox.probes.resumes import Stage, drive_prefixes, prefixes, resumed
 from blackbox.verdict import Finding
 from blackbox.workload import turn2_body, turn2_messages
 
-__all__ = ["EVICTIONS", "FIRST", "IN_FLIGHT", "LOAD", "PREEMPTIONS", "Load", "trigger"]
+__all__ = ["EVICTIONS", "FIRST", "LOAD", "PREEMPTIONS", "Load", "trigger"]
 
 FIRST = 50_000  # conversation id of the first prefix (apart from the other probes' documents)
 TURN1, FOLLOW = "load-a", "load-b"
 ANSWER_TOKENS = 8
-IN_FLIGHT = 16  # chains sent at once on each arm: twice the --max-num-seqs the CPU presets use
 PREEMPTIONS = "vllm:num_preemptions"
 EVICTIONS = "vllm:kv_block_idle_before_evict_seconds_count"  # one sample per evicted block (--kv-cache-metrics)
 
 
 class Load(Probe):
     name = "load"
-    about = "many more conversations in flight than the KV cache holds: preemption and eviction under resumes"
+    about = "more conversations in flight than the KV cache holds: preemption and eviction under resumes"
+    launched_for = "it needs both arms served with a small KV cache: --profile cpu-tiny-load"
 
     async def drive(self, ctx: DriveContext) -> Driven:
         before = await settle(ctx.treatment, ctx.config.settle_s)
-        driven = await drive_prefixes(
-            ctx, FIRST, ctx.config.conversations, TURN1, _stages(ctx), "prefixes under load", in_flight=IN_FLIGHT
-        )
+        driven = await drive_prefixes(ctx, FIRST, ctx.config.conversations, TURN1, _stages(ctx), "prefixes under load")
         window = MetricsDelta(before, await settle(ctx.treatment, ctx.config.settle_s))
         pressure = {"preemptions": window.value(PREEMPTIONS), "evictions": window.value(EVICTIONS)}
         return replace(driven, data={**(driven.data or {}), "window": pressure})
