@@ -225,7 +225,8 @@ CASES += (
         new_probe=True,
     ),
     *(
-        Case(f"preempted-resume {probe}", probe, profile, fault="preempted-resume", new_probe=True)
+        Case(f"{fault} {probe}", probe, profile, fault=fault, new_probe=True)
+        for fault in ("recycled-block", "preempted-resume")
         for probe, profile in (
             ("load", "cpu-tiny-load"),
             ("multiturn", "cpu-tiny"),

@@ -76,11 +76,12 @@ FRAGMENTED_BATCHED_TOKENS = 96
 
 # A KV cache the load probe's conversations cannot fit in (blackbox/probes/load.py). A conversation's turn 1 takes
 # about 27 blocks of the tiny model's shared hybrid pool (vLLM refuses 48 blocks for a 4096-token request:
-# "estimated maximum model length is 2688"), so 8 running at once (--max-num-seqs 8) want up to ~216: 120 holds
-# about four. At 80 every block was evicted before its follow-up came (0 hits); at 200 nothing was preempted.
+# "estimated maximum model length is 2688"), so 8 running at once (--max-num-seqs 8) want up to ~216. Measured
+# with 16 follow-ups (2026-12-04): at 80 and 120 blocks the running requests took every block (12-28 preemptions,
+# 0-1 follow-ups hit); at 170, 667 evictions and 10 of 16 hit their decode-written blocks.
 # Every eviction is sampled (--kv-cache-metrics-sample 1.0), so the probe's trigger can count them.
 LOAD_KV_ARGS: tuple[str, ...] = (
-    "--num-gpu-blocks-override", "120", "--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0",
+    "--num-gpu-blocks-override", "170", "--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0",
 )  # fmt: skip
 
 

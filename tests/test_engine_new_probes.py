@@ -37,12 +37,14 @@ def _finding(verdict: dict, check: str) -> dict:
     return next(f for f in verdict["findings"] if f["check"] == check)
 
 
-@pytest.mark.parametrize("probe", ["hit-geometry", "held-prefix"])
+GRADER = {"hit-geometry": "sweep-exactness", "held-prefix": "held-prefix", "short-follow-up": "short-follow-up"}
+
+
+@pytest.mark.parametrize("probe", list(GRADER))
 def test_a_new_probe_passes_on_the_clean_treatment(probe: str, cpu_fleet: Fleet, tmp_path: Path) -> None:
     code, verdict, output = _run(tmp_path / "runs", cpu_fleet.urls["treatment"], cpu_fleet, probe, 31)
     assert (code, verdict["status"]) == (0, "PASS"), output
-    grader = "sweep-exactness" if probe == "hit-geometry" else "held-prefix"
-    assert "would have been detected with probability 0.95" in _finding(verdict, grader)["reason"], output
+    assert "would have been detected with probability 0.95" in _finding(verdict, GRADER[probe])["reason"], output
 
 
 def test_the_sweep_names_the_offsets_a_silent_miss_leaves_unhit(cpu_fleet: Fleet, tmp_path: Path) -> None:
@@ -80,3 +82,22 @@ def test_held_prefix_catches_resumes_of_a_prefix_another_request_holds(cpu_fleet
     assert finding["status"] == "FAIL", output
     # Some resumes of a block are wrong, not all (the first to resume alone is exact): a transient fault.
     assert finding["figures"]["seen"] in ("transient", "both"), finding["figures"]
+
+
+def test_short_follow_ups_catch_a_restore_wrong_only_after_a_one_or_two_token_continuation(
+    cpu_fleet: Fleet, tmp_path: Path
+) -> None:
+    """short-continuation is wrong only for a prompt continuing a finished request's whole sequence by 1-2 tokens,
+    which the short-follow-up probe sends and no other probe does (bench/results/new-probes.md: 0 candidates)."""
+    specs = build_specs(
+        "cpu-tiny", ("treatment",), base_port=TREATMENT_PORT, cache_dir=CACHE, fault="short-continuation"
+    )
+    with Fleet(specs, tmp_path / "servers") as fleet:
+        fleet.start()
+        code, verdict, output = _run(tmp_path / "runs", fleet.urls["treatment"], cpu_fleet, "short-follow-up", 31)
+        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get("short-continuation", 0)
+    assert fired > 0, f"short-continuation never fired\n{output}"
+    assert (code, verdict["error_class"]) == (1, "CorruptionDetected"), output
+    assert _finding(verdict, "short-follow-up")["status"] == "FAIL", output
+    added = _finding(verdict, "short-trigger")["figures"]["added_tokens"]
+    assert {tuple(sorted(a.items())) for a in added.values()} == {(("short-1", 1), ("short-2", 2), ("short-q", 8))}

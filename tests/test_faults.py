@@ -44,6 +44,7 @@ KNOWN = (
     "chunk-end-as-boundary",
     "stale-checkpoint",
     "concurrent-resume",
+    "recycled-block",
     "preempted-resume",
     "short-continuation",
     "offset-miss",
@@ -51,6 +52,7 @@ KNOWN = (
 # (module, attribute owner path, attribute) of everything a fault may patch.
 TARGETS = (
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "get_computed_blocks"),
+    ("vllm.v1.core.block_pool", "BlockPool", "_maybe_evict_cached_block"),
     ("vllm.v1.worker.mamba_utils", None, "preprocess_mamba"),
     ("vllm.v1.worker.mamba_utils", None, "postprocess_mamba_align_gpu"),
 )
@@ -73,6 +75,7 @@ def _patched() -> list[str]:
 @pytest.fixture
 def restore_targets(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Import the patch targets and put the originals back after the test; counters start at zero."""
+    import vllm.v1.core.block_pool
     import vllm.v1.core.kv_cache_manager
     import vllm.v1.worker.mamba_utils  # noqa: F401
 
@@ -422,6 +425,28 @@ def test_concurrent_resume_fires_only_where_another_running_request_holds_the_hi
     assert hit == 512
     assert blocks.blocks[0][-1] is cache.mamba[384 if held else 512]
     assert fired_counts(caplog.text) == ({"concurrent-resume": 1} if held else {})
+
+
+@pytest.mark.parametrize("recycled", [False, True], ids=["fresh-block", "block-re-allocated-after-an-eviction"])
+def test_recycled_block_fires_only_on_a_hit_whose_block_had_a_cached_block_evicted_from_it(
+    monkeypatch: pytest.MonkeyPatch, restore_targets: None, caplog: pytest.LogCaptureFixture, recycled: bool
+) -> None:
+    _install(monkeypatch, "recycled-block")
+    cache = _real_cache((128, 384, 512, 640))
+    pool = cache.manager.block_pool
+    hit_block = cache.mamba[512]
+    if recycled:  # the hit's block once held a cached block that an allocation evicted, and was cached again
+        key, length = hit_block.block_hash, 512
+        assert pool._maybe_evict_cached_block(hit_block)
+        hit_block.set_block_hash(key, length)
+        pool.cached_block_hash_to_block.insert(key, hit_block)
+    else:
+        assert not pool._maybe_evict_cached_block(pool.null_block)  # an uncached block: nothing evicted
+    with caplog.at_level(logging.WARNING, logger="vllm.blackbox"):
+        blocks, hit, _ = cache.manager.get_computed_blocks(cache.request)
+    assert hit == 512
+    assert blocks.blocks[0][-1] is cache.mamba[384 if recycled else 512]
+    assert fired_counts(caplog.text) == ({"recycled-block": 1} if recycled else {})
 
 
 @pytest.mark.parametrize("preempted", [False, True], ids=["never-preempted", "rescheduled-after-a-preemption"])

@@ -30,6 +30,10 @@ the way it did in the field (lost or doubled context), through the model itself.
   under memory pressure vLLM preempts a running request, frees its blocks and later reschedules it, looking up
   its own prompt and answer so far in the prefix cache): ``stale-checkpoint``, but only for a request that was
   preempted at least once, so only a server whose KV cache is too small for its load resumes wrong.
+- ``recycled-block`` (the load family: under memory pressure cached blocks are evicted and their memory written
+  again while other requests resume; SGLang #36537 lost eagerly materialized state that way): ``stale-checkpoint``,
+  but only for a hit whose last block had a cached block evicted from it before (``BlockPool`` re-allocated it), so
+  only a server whose cache is too small for its load resumes wrong.
 - ``short-continuation`` (the A6 family: a prefill shorter than the drafter's lookahead, in a batch with decodes,
   handled as if it were a decode step): ``stale-checkpoint``, but only for a hit on a prompt that continues a
   finished request's whole sequence (its prompt and its answer) by at most ``SHORT_TOKENS`` tokens, so only a
@@ -541,6 +545,34 @@ def _install_concurrent_resume(counter: FaultCounter, gate: SporadicGate) -> Non
     )
 
 
+_BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
+
+
+def _install_recycled_block(counter: FaultCounter, gate: SporadicGate) -> None:
+    """The Mamba hit is the checkpoint one block before, where the hit's last block was re-allocated after a cached
+    block was evicted from it. Eviction happens only when the cache is full, so a server whose cache holds its load
+    never has a recycled block."""
+    recycled: set[int] = set()
+    pool = importlib.import_module(_BLOCK_POOL_MODULE).BlockPool
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def _maybe_evict_cached_block(self: Any, block: Any) -> bool:
+            evicted = bool(original(self, block))
+            if evicted:
+                recycled.add(block.block_id)
+            return evicted
+
+        return _maybe_evict_cached_block
+
+    _patch(pool, "_maybe_evict_cached_block", make, counter.name)
+
+    def on_a_recycled_block(_: Any, result: Any) -> bool:
+        return result[1] > 0 and any(b and b[-1].block_id in recycled for b in result[0].blocks)
+
+    _install_hit_shift(counter, gate, shift_blocks=-1, require_eagle=False, when=on_a_recycled_block)
+
+
 def _install_preempted_resume(counter: FaultCounter, gate: SporadicGate) -> None:
     """The Mamba hit is the checkpoint one block before, for a request rescheduled after a preemption."""
     _install_hit_shift(
@@ -745,6 +777,11 @@ FAULTS: dict[str, Fault] = {
             "concurrent-resume",
             "A3 family: a hit on a prefix another running request holds restores the checkpoint one block before",
             _install_concurrent_resume,
+        ),
+        Fault(
+            "recycled-block",
+            "load family: a hit on a block re-allocated after an eviction restores the checkpoint one block before",
+            _install_recycled_block,
         ),
         Fault(
             "preempted-resume",
