@@ -17,6 +17,7 @@ from blackbox.history import Plan
 from blackbox.vocabulary import CODE_WORDS, FILLER, NAMES
 
 __all__ = [
+    "Messages",
     "Shape",
     "fact_document",
     "plan_conversation",

@@ -39,22 +39,19 @@ from blackbox.history import Arm, Exchange, History, Plan
 from blackbox.probes.base import (
     DriveContext,
     Driven,
-    Grader,
-    Probe,
     compared_positions,
     not_used,
     with_positions,
 )
-from blackbox.probes.resumes import Stage, drive_prefixes, prefixes, resumed
+from blackbox.probes.resumes import ResumeProbe, Stage, body, drive_prefixes, prefixes, resumed
 from blackbox.verdict import Finding
 from blackbox.vocabulary import NAMES
-from blackbox.workload import question_for, turn2_body, turn2_messages
+from blackbox.workload import question_for, turn2_messages
 
 __all__ = ["FIRST", "HELD_PREFIX", "RESUMES", "HeldPrefix", "blocks", "held_prefixes", "shape_of", "trigger"]
 
 FIRST = 20_000  # conversation id of the first held prefix (apart from the other probes' documents)
 RESUMES = 3  # other requests B1..Bn per prefix; A's own follow-up is one more resume
-ANSWER_TOKENS = 8  # of each resume: more than the positions compared (2 + speculative tokens)
 TURN1 = "held-a"
 FOLLOW = "held-a2"  # A's own follow-up, after the others
 
@@ -78,38 +75,25 @@ class Block:
     deviations: tuple[tuple[str, float, bool], ...]  # (request kind, deviation, not bit-identical)
 
 
-class HeldPrefix(Probe):
+class HeldPrefix(ResumeProbe):
     name = "held-prefix"
     about = "one decode-written prefix resumed by several requests, then by its own follow-up (A->B->A)"
+    grader = "held-prefix"
 
     async def drive(self, ctx: DriveContext) -> Driven:
         driven = await drive_prefixes(ctx, FIRST, held_prefixes(ctx.config.conversations), TURN1, _stages(ctx))
         return replace(driven, data={**(driven.data or {}), "resumes": RESUMES})
 
-    def gates(self, history: History, grading: Grading) -> list[Finding]:
-        return [trigger(history, grading)]
-
-    def graders(self, grading: Grading) -> list[Grader]:
-        return [Grader("held-prefix", grade, covers_trigger=True)]
-
-    def required(self, grading: Grading) -> frozenset[str]:
-        return frozenset({"held-prefix"})  # its only grader: without evidence the run is UNKNOWN
-
 
 def _stages(ctx: DriveContext) -> Callable[[Plan, Exchange], list[Stage]]:
     """B1..Bn together, then A's follow-up alone."""
-    shape = ctx.config.shape
-    tokens = max(ANSWER_TOKENS, ctx.config.grading.compare_tokens or 0)
-
-    def body(messages: Sequence[Mapping[str, str]]) -> dict[str, object]:
-        return {**turn2_body(tuple(messages), shape), "max_tokens": tokens}
 
     def stages(plan: Plan, a: Exchange) -> list[Stage]:
         rng = random.Random(f"blackbox-held:{ctx.config.seed}:{plan.index}")
         others = [question_for(name) for name in rng.sample(NAMES, RESUMES)]
         held = turn2_messages(plan, a.text)[:-1]  # A and its answer: the prefix every resume re-sends
-        b = [(f"held-b{j}", body((*held, {"role": "user", "content": q}))) for j, q in enumerate(others)]
-        return [b, [(FOLLOW, body(turn2_messages(plan, a.text)))]]
+        b = [(f"held-b{j}", body(ctx, (*held, {"role": "user", "content": q}))) for j, q in enumerate(others)]
+        return [b, [(FOLLOW, body(ctx, turn2_messages(plan, a.text)))]]
 
     return stages
 
@@ -249,4 +233,4 @@ def grade(history: History, grading: Grading, alpha: float) -> Finding:
     return with_positions(n, replace(finding, figures={**finding.figures, **shape}))
 
 
-HELD_PREFIX = HeldPrefix()
+HELD_PREFIX = HeldPrefix(trigger, grade)

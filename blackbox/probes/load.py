@@ -34,36 +34,31 @@ from typing import Any
 
 from blackbox import errors
 from blackbox.config import Grading
-from blackbox.evidence import Sample, judge_samples
+from blackbox.evidence import Sample
 from blackbox.history import Arm, Exchange, History, Plan
 from blackbox.metrics import MetricsDelta
 from blackbox.probes.base import (
     DriveContext,
     Driven,
-    Grader,
-    Probe,
-    compared_positions,
-    not_used,
     settle,
-    with_positions,
 )
-from blackbox.probes.resumes import Stage, drive_prefixes, prefixes, resumed
+from blackbox.probes.resumes import ResumeProbe, Stage, body, drive_prefixes, grade_prefixes, prefixes, resumed
 from blackbox.verdict import Finding
-from blackbox.workload import turn2_body, turn2_messages
+from blackbox.workload import turn2_messages
 
 __all__ = ["EVICTIONS", "FIRST", "LOAD", "PREEMPTIONS", "Load", "trigger"]
 
 FIRST = 50_000  # conversation id of the first prefix (apart from the other probes' documents)
 TURN1, FOLLOW = "load-a", "load-b"
-ANSWER_TOKENS = 8
 PREEMPTIONS = "vllm:num_preemptions"
 EVICTIONS = "vllm:kv_block_idle_before_evict_seconds_count"  # one sample per evicted block (--kv-cache-metrics)
 
 
-class Load(Probe):
+class Load(ResumeProbe):
     name = "load"
     about = "more conversations in flight than the KV cache holds: preemption and eviction under resumes"
     launched_for = "it needs both arms served with a small KV cache: --profile cpu-tiny-load"
+    grader = "load"
 
     async def drive(self, ctx: DriveContext) -> Driven:
         before = await settle(ctx.treatment, ctx.config.settle_s)
@@ -72,22 +67,10 @@ class Load(Probe):
         pressure = {"preemptions": window.value(PREEMPTIONS), "evictions": window.value(EVICTIONS)}
         return replace(driven, data={**(driven.data or {}), "window": pressure})
 
-    def gates(self, history: History, grading: Grading) -> list[Finding]:
-        return [trigger(history, grading)]
-
-    def graders(self, grading: Grading) -> list[Grader]:
-        return [Grader("load", grade, covers_trigger=True)]
-
-    def required(self, grading: Grading) -> frozenset[str]:
-        return frozenset({"load"})  # its only grader: without evidence the run is UNKNOWN
-
 
 def _stages(ctx: DriveContext) -> Callable[[Plan, Exchange], list[Stage]]:
-    shape = ctx.config.shape
-    tokens = max(ANSWER_TOKENS, ctx.config.grading.compare_tokens or 0)
-
     def stages(plan: Plan, a: Exchange) -> list[Stage]:
-        return [[(FOLLOW, {**turn2_body(turn2_messages(plan, a.text), shape), "max_tokens": tokens})]]
+        return [[(FOLLOW, body(ctx, turn2_messages(plan, a.text)))]]
 
     return stages
 
@@ -159,32 +142,12 @@ def trigger(history: History, grading: Grading) -> Finding:
     )
 
 
+def _samples(history: History, arm: str, hard_margin: float, tokens: int) -> list[Sample]:
+    return list(_hits(history, arm, hard_margin, tokens).values())
+
+
 def grade(history: History, grading: Grading, alpha: float) -> Finding:
-    if Arm.REFERENCE not in history.arms():
-        return not_used(
-            "load",
-            "needs a reference server (the treatment's flags without speculative decoding): without one this run "
-            "cannot measure how far a correct engine's follow-ups under load deviate from recomputation",
-        )
-    n = compared_positions(history, grading)
-    t = _hits(history, Arm.TREATMENT, grading.hard_margin, n)
-    r = _hits(history, Arm.REFERENCE, grading.hard_margin, n)
-    if not t or not r:
-        return not_used("load", f"no decode-region follow-ups under load (treatment {len(t)}, reference {len(r)})")
-    worst = sorted(t.values(), key=lambda s: -s.deviation)[:5]
-    finding = judge_samples(
-        "load",
-        list(t.values()),
-        list(r.values()),
-        alpha=alpha,
-        what="treatment follow-ups under load",
-        against="the reference's",
-        assumed=grading.yardstick_assumed,
-        runs=len(prefixes(history, Load.name, Arm.TREATMENT)),
-        hint=f"replay prefixes {[s.unit for s in worst]} (the largest deviations) from the run folder's replay/",
-        run_unit="prefixes",
-    )
-    return with_positions(n, finding)
+    return grade_prefixes(history, grading, alpha, Load.name, "load", _samples, "follow-ups under load")
 
 
-LOAD = Load()
+LOAD = Load(trigger, grade)

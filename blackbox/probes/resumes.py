@@ -12,15 +12,40 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from blackbox.client import gather_bounded
 from blackbox.compare import deviation
+from blackbox.config import Grading
+from blackbox.evidence import Sample, judge_samples
 from blackbox.history import Arm, Exchange, History, Plan
-from blackbox.probes.base import DriveContext, Driven
-from blackbox.workload import plan_conversation, turn1_body
+from blackbox.probes.base import (
+    DriveContext,
+    Driven,
+    Grader,
+    GraderFunction,
+    Probe,
+    compared_positions,
+    not_used,
+    with_positions,
+)
+from blackbox.verdict import Finding
+from blackbox.workload import Messages, plan_conversation, turn1_body, turn2_body
 
-__all__ = ["Resume", "Stage", "drive_prefixes", "fresh", "prefixes", "resumed"]
+__all__ = [
+    "ANSWER_TOKENS",
+    "Resume",
+    "ResumeProbe",
+    "Stage",
+    "body",
+    "drive_prefixes",
+    "fresh",
+    "grade_prefixes",
+    "prefixes",
+    "resumed",
+]
+
+ANSWER_TOKENS = 8  # of each resume: more than the positions compared (2 + speculative tokens)
 
 Stage = Sequence[tuple[str, Mapping[str, object]]]  # (request kind, body without cache_salt), sent together
 Stages = Callable[[Plan, Exchange], Sequence[Stage]]  # A's plan and answer -> the resumes to send
@@ -28,6 +53,31 @@ Stages = Callable[[Plan, Exchange], Sequence[Stage]]  # A's plan and answer -> t
 
 def fresh(kind: str) -> str:
     return f"{kind}-fresh"
+
+
+class ResumeProbe(Probe):
+    """A probe of resumes from held prefixes: one trigger gate and one grader, which it requires (its only one:
+    without evidence the run is UNKNOWN rather than passing on another probe's)."""
+
+    grader: ClassVar[str]
+
+    def __init__(self, trigger: Callable[[History, Grading], Finding], grade: GraderFunction) -> None:
+        self._trigger, self._grade = trigger, grade
+
+    def gates(self, history: History, grading: Grading) -> list[Finding]:
+        return [self._trigger(history, grading)]
+
+    def graders(self, grading: Grading) -> list[Grader]:
+        return [Grader(self.grader, self._grade, covers_trigger=True)]
+
+    def required(self, grading: Grading) -> frozenset[str]:
+        return frozenset({self.grader})
+
+
+def body(ctx: DriveContext, messages: Messages, **extra: object) -> dict[str, object]:
+    """A resume's request: greedy with logprobs, `ANSWER_TOKENS` long (or the positions --compare-tokens asks)."""
+    tokens = max(ANSWER_TOKENS, ctx.config.grading.compare_tokens or 0)
+    return {**turn2_body(messages, ctx.config.shape), "max_tokens": tokens, **extra}
 
 
 @dataclass(frozen=True)
@@ -126,3 +176,39 @@ def resumed(
             mine, theirs = e.tokens[:tokens], again.tokens[:tokens]
             out.append(Resume(kind, e.cached_tokens or 0, deviation(mine, theirs, hard_margin), mine != theirs))
     return out
+
+
+Samples = Callable[[History, str, float, int], list[Sample]]  # (history, arm, hard margin, positions) -> a prefix each
+
+
+def grade_prefixes(
+    history: History, grading: Grading, alpha: float, probe: str, grader: str, samples: Samples, what: str
+) -> Finding:
+    """The statistics every grader shares, one sample per prefix, the treatment's against the reference's."""
+    if Arm.REFERENCE not in history.arms():
+        return not_used(
+            grader,
+            "needs a reference server (the treatment's flags without speculative decoding): without one this run "
+            f"cannot measure how far a correct engine's {what} deviate from recomputation",
+        )
+    n = compared_positions(history, grading)
+    t, r = (
+        samples(history, Arm.TREATMENT, grading.hard_margin, n),
+        samples(history, Arm.REFERENCE, grading.hard_margin, n),
+    )
+    if not t or not r:
+        return not_used(grader, f"no decode-region {what} to compare (treatment {len(t)}, reference {len(r)})")
+    worst = sorted(t, key=lambda s: -s.deviation)[:5]
+    finding = judge_samples(
+        grader,
+        t,
+        r,
+        alpha=alpha,
+        what=f"treatment {what}",
+        against="the reference's",
+        assumed=grading.yardstick_assumed,
+        runs=len(prefixes(history, probe, Arm.TREATMENT)),
+        hint=f"replay prefixes {[s.unit for s in worst]} (the largest deviations) from the run folder's replay/",
+        run_unit="prefixes",
+    )
+    return with_positions(n, finding)

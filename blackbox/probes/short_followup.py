@@ -25,18 +25,17 @@ from typing import Any
 
 from blackbox import errors
 from blackbox.config import Grading
-from blackbox.evidence import Sample, judge_samples
+from blackbox.evidence import Sample
 from blackbox.history import Arm, Exchange, History, Plan
-from blackbox.probes.base import DriveContext, Driven, Grader, Probe, compared_positions, not_used, with_positions
-from blackbox.probes.resumes import Resume, Stage, drive_prefixes, prefixes, resumed
+from blackbox.probes.base import DriveContext, Driven
+from blackbox.probes.resumes import Resume, ResumeProbe, Stage, body, drive_prefixes, grade_prefixes, prefixes, resumed
 from blackbox.verdict import Finding
-from blackbox.workload import turn2_body, turn2_messages
+from blackbox.workload import turn2_messages
 
 __all__ = ["FIRST", "KINDS", "SHORT", "SHORT_FOLLOW_UP", "ShortFollowUp", "extensions", "trigger"]
 
 FIRST = 40_000  # conversation id of the first prefix (apart from the other probes' documents)
 TURN1 = "short-a"
-ANSWER_TOKENS = 8  # of each follow-up: more than the positions compared (2 + speculative tokens)
 # Request kind -> (what it appends to A's answer, whether it continues the answer rather than asking anew).
 FOLLOW_UPS: Mapping[str, tuple[str, bool]] = {
     "short-1": (" .", True),
@@ -52,43 +51,27 @@ def followups(conversations: int) -> int:
     return max(4, conversations // 2)
 
 
-class ShortFollowUp(Probe):
+class ShortFollowUp(ResumeProbe):
     name = "short-follow-up"
     about = "after a decode-region hit, follow-ups of 1 and 2 tokens and one shorter than a block"
+    grader = "short-follow-up"
 
     async def drive(self, ctx: DriveContext) -> Driven:
         return await drive_prefixes(ctx, FIRST, followups(ctx.config.conversations), TURN1, _stages(ctx), "prefixes")
 
-    def gates(self, history: History, grading: Grading) -> list[Finding]:
-        return [trigger(history, grading)]
-
-    def graders(self, grading: Grading) -> list[Grader]:
-        return [Grader("short-follow-up", grade, covers_trigger=True)]
-
-    def required(self, grading: Grading) -> frozenset[str]:
-        return frozenset({"short-follow-up"})  # its only grader: without evidence the run is UNKNOWN
-
 
 def _stages(ctx: DriveContext) -> Callable[[Plan, Exchange], list[Stage]]:
     """One follow-up at a time, so each resumes alone from A's blocks."""
-    shape = ctx.config.shape
-    tokens = max(ANSWER_TOKENS, ctx.config.grading.compare_tokens or 0)
 
     def stages(plan: Plan, a: Exchange) -> list[Stage]:
         out: list[Stage] = []
         for kind, (text, continues) in FOLLOW_UPS.items():
             if continues:
                 messages = (*plan.turn1_messages, {"role": "assistant", "content": a.text + text})
-                body = {
-                    **turn2_body(messages, shape),
-                    "max_tokens": tokens,
-                    "continue_final_message": True,
-                    "add_generation_prompt": False,
-                }
+                request = body(ctx, messages, continue_final_message=True, add_generation_prompt=False)
             else:
-                asked = (*turn2_messages(plan, a.text)[:-1], {"role": "user", "content": text})
-                body = {**turn2_body(asked, shape), "max_tokens": tokens}
-            out.append([(kind, body)])
+                request = body(ctx, (*turn2_messages(plan, a.text)[:-1], {"role": "user", "content": text}))
+            out.append([(kind, request)])
         return out
 
     return stages
@@ -163,35 +146,13 @@ def _sample(prefix: int, found: Sequence[Resume]) -> Sample:
     return Sample(prefix, worst.kind, worst.deviation, any(r.differs for r in found))
 
 
+def _samples(history: History, arm: str, hard_margin: float, tokens: int) -> list[Sample]:
+    return [_sample(p, found) for p, found in _hits(history, arm, hard_margin, tokens).items()]
+
+
 def grade(history: History, grading: Grading, alpha: float) -> Finding:
-    if Arm.REFERENCE not in history.arms():
-        return not_used(
-            "short-follow-up",
-            "needs a reference server (the treatment's flags without speculative decoding): without one this run "
-            "cannot measure how far a correct engine's follow-ups deviate from recomputation",
-        )
-    n = compared_positions(history, grading)
-    t = _hits(history, Arm.TREATMENT, grading.hard_margin, n)
-    r = _hits(history, Arm.REFERENCE, grading.hard_margin, n)
-    if not t or not r:
-        return not_used(
-            "short-follow-up", f"no decode-region follow-up hits to compare (treatment {len(t)}, reference {len(r)})"
-        )
-    samples = [_sample(p, found) for p, found in t.items()]
-    worst = sorted(samples, key=lambda s: -s.deviation)[:5]
-    finding = judge_samples(
-        "short-follow-up",
-        samples,
-        [_sample(p, found) for p, found in r.items()],
-        alpha=alpha,
-        what="treatment prefixes' short follow-ups (each prefix its follow-ups' largest deviation)",
-        against="the reference's",
-        assumed=grading.yardstick_assumed,
-        runs=len(prefixes(history, ShortFollowUp.name, Arm.TREATMENT)),
-        hint=f"replay prefixes {[s.unit for s in worst]} (the largest deviations) from the run folder's replay/",
-        run_unit="prefixes",
-    )
-    return with_positions(n, finding)
+    what = "short follow-ups (each prefix its follow-ups' largest deviation)"
+    return grade_prefixes(history, grading, alpha, ShortFollowUp.name, "short-follow-up", _samples, what)
 
 
-SHORT_FOLLOW_UP = ShortFollowUp()
+SHORT_FOLLOW_UP = ShortFollowUp(trigger, grade)
