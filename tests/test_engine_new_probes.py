@@ -14,6 +14,7 @@ from servers.vllm_plugin.faults import fired_counts, in_missed_offsets
 from engine_env import BASE_PORT, CACHE, blackbox_cli
 
 TREATMENT_PORT = BASE_PORT + 7  # the session's servers use BASE_PORT..BASE_PORT+2, the fault tests +5, +15, +17
+LOAD_PORT = BASE_PORT + 20  # the small-cache pair: treatment +20, reference +22
 
 
 def _run(out: Path, treatment: str, shared: Fleet, probe: str, seed: int) -> tuple[int, dict, str]:
@@ -101,3 +102,32 @@ def test_short_follow_ups_catch_a_restore_wrong_only_after_a_one_or_two_token_co
     assert _finding(verdict, "short-follow-up")["status"] == "FAIL", output
     added = _finding(verdict, "short-trigger")["figures"]["added_tokens"]
     assert {tuple(sorted(a.items())) for a in added.values()} == {(("short-1", 1), ("short-2", 2), ("short-q", 8))}
+
+
+def test_the_load_probe_catches_restores_wrong_only_on_blocks_recycled_under_pressure(tmp_path: Path) -> None:
+    """recycled-block is wrong only on a hit whose block had a cached block evicted from it, which happens only when
+    the cache is too small for the load: the load probe against the small-cache pair (cpu-tiny-load on both arms)
+    sees it; on the session's cache, which holds every probe's load, nothing is ever evicted."""
+    specs = build_specs(
+        "cpu-tiny-load", ("treatment", "reference"), base_port=LOAD_PORT, cache_dir=CACHE, fault="recycled-block"
+    )
+    with Fleet(specs, tmp_path / "servers") as fleet:
+        fleet.start()
+        code, output, _, verdict = blackbox_cli(
+            tmp_path / "runs",
+            "--treatment",
+            fleet.urls["treatment"],
+            "--reference",
+            fleet.urls["reference"],
+            "--probe",
+            "load",
+            "--seed",
+            "31",
+        )
+        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get("recycled-block", 0)
+    assert fired > 0, f"recycled-block never fired\n{output}"
+    trigger = _finding(verdict, "load-trigger")
+    assert trigger["status"] == "PASS" and trigger["figures"]["evictions"] > 0, output
+    assert "async scheduling off (vLLM's CPU backend forces it off" in trigger["reason"], output
+    assert (code, verdict["error_class"]) == (1, "CorruptionDetected"), output
+    assert _finding(verdict, "load")["status"] == "FAIL", output
