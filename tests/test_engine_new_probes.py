@@ -13,6 +13,8 @@ from servers.vllm_plugin.faults import fired_counts, in_missed_offsets
 
 from engine_env import BASE_PORT, CACHE, blackbox_cli
 
+pytestmark = pytest.mark.engine  # every test here starts real servers (the load test its own pair, not cpu_fleet)
+
 TREATMENT_PORT = BASE_PORT + 7  # the session's servers use BASE_PORT..BASE_PORT+2, the fault tests +5, +15, +17
 LOAD_PORT = BASE_PORT + 20  # the small-cache pair: treatment +20, reference +22
 
