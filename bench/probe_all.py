@@ -38,7 +38,8 @@ FIRST_IDS = (
 
 
 def probe_of(conversation: int) -> str:
-    return [name for name, first in FIRST_IDS if conversation >= first][-1]
+    """The probe a conversation id belongs to; the engine's own requests (gates, comparability) have ids below 0."""
+    return ([name for name, first in FIRST_IDS if conversation >= first] or ["checks"])[-1]
 
 
 def spans(folder: Path) -> dict[str, float]:
