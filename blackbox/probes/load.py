@@ -1,4 +1,4 @@
-"""The load probe: many more conversations in flight than the KV cache holds, so requests are preempted and blocks
+"""The load probe: more conversations in flight than the KV cache holds, so requests are preempted and blocks
 evicted and re-written while others resume from decode-written blocks.
 
 The other probes keep a few requests in flight against a cache that holds them all, so no request is preempted and
@@ -37,11 +37,7 @@ from blackbox.config import Grading
 from blackbox.evidence import Sample
 from blackbox.history import Arm, Exchange, History, Plan
 from blackbox.metrics import MetricsDelta
-from blackbox.probes.base import (
-    DriveContext,
-    Driven,
-    settle,
-)
+from blackbox.probes.base import DriveContext, Driven, settle
 from blackbox.probes.resumes import ResumeProbe, Stage, body, drive_prefixes, grade_prefixes, prefixes, resumed
 from blackbox.verdict import Finding
 from blackbox.workload import turn2_messages
@@ -114,7 +110,7 @@ def trigger(history: History, grading: Grading) -> Finding:
         return Finding.from_error(
             "load-trigger",
             errors.TriggerNotExercised(
-                f"the treatment preempted no request ({preempted if preempted is not None else 'not published'}) "
+                f"the treatment preempted no request ({'0' if preempted is not None else 'not published'}) "
                 f"and {said} during the load probe: its KV cache held the whole load",
                 hint="serve the pair with a small KV cache (--profile cpu-tiny-load, or --num-gpu-blocks-override N "
                 "on both arms) so the probe's conversations do not fit",
