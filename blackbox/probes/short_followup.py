@@ -7,7 +7,8 @@ lookahead, which vLLM has mis-handled as a decode step in a mixed batch (the A6 
 test_hybrid_chunked_prefill.py: lost facts). Here the request re-sends prefix A and its answer and continues the
 answer itself (`continue_final_message`, no generation prompt), with 1 and 2 more tokens; then a third asks a short
 question as a new user turn (shorter than a block). Each is sent again on a fresh cache_salt (recomputation), and the
-reference runs the same (`probes/resumes.py`: the prefixes are the held-prefix probe's, documents of their own).
+reference runs the same (`probes/resumes.py`: prefixes laid out as the held-prefix probe's, on documents of their
+own).
 
 Trigger proof (`short-trigger`): for enough prefixes, a follow-up that added at most 2 tokens to A's whole sequence
 (prompt tokens less A's prompt and answer, measured from usage) hit past A's prompt, in its decode-written blocks.
@@ -47,7 +48,7 @@ SHORT = 2  # a follow-up adding at most this many tokens to A's sequence is the 
 
 
 def followups(conversations: int) -> int:
-    """Prefixes a run holds: each costs 1 + 2 * 3 requests a arm, a multi-turn conversation about 4."""
+    """Prefixes a run holds: each costs 1 + 2 * 3 requests an arm, a multi-turn conversation about 4."""
     return max(4, conversations // 2)
 
 
