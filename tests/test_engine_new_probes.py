@@ -36,6 +36,17 @@ def _run(out: Path, treatment: str, shared: Fleet, probe: str, seed: int) -> tup
     return code, verdict, output
 
 
+def _against_fault(tmp_path: Path, shared: Fleet, fault: str, probe: str) -> tuple[int, dict, str, int]:
+    """The probe against a cpu-tiny treatment with `fault` (the shared fleet's control and reference); its fires."""
+    specs = build_specs("cpu-tiny", ("treatment",), base_port=TREATMENT_PORT, cache_dir=CACHE, fault=fault)
+    with Fleet(specs, tmp_path / "servers") as fleet:
+        fleet.start()
+        code, verdict, output = _run(tmp_path / "runs", fleet.urls["treatment"], shared, probe, 31)
+        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get(fault, 0)
+    assert fired > 0, f"{fault} never fired, so this run says nothing\n{output}"
+    return code, verdict, output, fired
+
+
 def _finding(verdict: dict, check: str) -> dict:
     return next(f for f in verdict["findings"] if f["check"] == check)
 
@@ -54,32 +65,20 @@ def test_the_sweep_names_the_offsets_a_silent_miss_leaves_unhit(cpu_fleet: Fleet
     """offset-miss takes every hit of a prompt ending 1/4 to 3/8 of a block past a boundary: the sweep says
     which offsets (UNKNOWN CacheNotLive, never FAIL: no answer is wrong). The multi-turn probe, whose prompts
     end elsewhere, is blind to it (bench/results/new-probes.md; a 10-minute run, so not repeated here)."""
-    specs = build_specs("cpu-tiny", ("treatment",), base_port=TREATMENT_PORT, cache_dir=CACHE, fault="offset-miss")
-    with Fleet(specs, tmp_path / "servers") as fleet:
-        fleet.start()
-        code, verdict, output = _run(tmp_path / "runs", fleet.urls["treatment"], cpu_fleet, "hit-geometry", 31)
-        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get("offset-miss", 0)
-        assert fired > 0, f"offset-miss never fired, so this run says nothing\n{output}"
-        assert (code, verdict["status"], verdict["error_class"]) == (2, "UNKNOWN", "CacheNotLive"), output
-        figures = _finding(verdict, "hit-geometry")["figures"]
-        block, dead = figures["block_size"], figures["offsets_dead"]
-        assert dead, output
-        assert all(in_missed_offsets(o, block) for o in dead), figures
-        assert not any(in_missed_offsets(o, block) for o in figures["offsets_hitting"]), figures
-        assert f"repeats of prompts ending {dead} tokens past a block boundary hit nothing" in verdict["reason"]
+    code, verdict, output, _ = _against_fault(tmp_path, cpu_fleet, "offset-miss", "hit-geometry")
+    assert (code, verdict["status"], verdict["error_class"]) == (2, "UNKNOWN", "CacheNotLive"), output
+    figures = _finding(verdict, "hit-geometry")["figures"]
+    block, dead = figures["block_size"], figures["offsets_dead"]
+    assert dead, output
+    assert all(in_missed_offsets(o, block) for o in dead), figures
+    assert not any(in_missed_offsets(o, block) for o in figures["offsets_hitting"]), figures
+    assert f"repeats of prompts ending {dead} tokens past a block boundary hit nothing" in verdict["reason"]
 
 
 def test_held_prefix_catches_resumes_of_a_prefix_another_request_holds(cpu_fleet: Fleet, tmp_path: Path) -> None:
     """concurrent-resume is wrong only where several requests resume from one cached prefix at once, which the
     held-prefix probe does and the multi-turn probe never does (bench/results/new-probes.md: 0 candidates)."""
-    specs = build_specs(
-        "cpu-tiny", ("treatment",), base_port=TREATMENT_PORT, cache_dir=CACHE, fault="concurrent-resume"
-    )
-    with Fleet(specs, tmp_path / "servers") as fleet:
-        fleet.start()
-        code, verdict, output = _run(tmp_path / "runs", fleet.urls["treatment"], cpu_fleet, "held-prefix", 31)
-        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get("concurrent-resume", 0)
-    assert fired > 0, f"concurrent-resume never fired\n{output}"
+    code, verdict, output, _ = _against_fault(tmp_path, cpu_fleet, "concurrent-resume", "held-prefix")
     assert (code, verdict["error_class"]) == (1, "CorruptionDetected"), output
     finding = _finding(verdict, "held-prefix")
     assert finding["status"] == "FAIL", output
@@ -92,14 +91,7 @@ def test_short_follow_ups_catch_a_restore_wrong_only_after_a_one_or_two_token_co
 ) -> None:
     """short-continuation is wrong only for a prompt continuing a finished request's whole sequence by 1-2 tokens,
     which the short-follow-up probe sends and no other probe does (bench/results/new-probes.md: 0 candidates)."""
-    specs = build_specs(
-        "cpu-tiny", ("treatment",), base_port=TREATMENT_PORT, cache_dir=CACHE, fault="short-continuation"
-    )
-    with Fleet(specs, tmp_path / "servers") as fleet:
-        fleet.start()
-        code, verdict, output = _run(tmp_path / "runs", fleet.urls["treatment"], cpu_fleet, "short-follow-up", 31)
-        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get("short-continuation", 0)
-    assert fired > 0, f"short-continuation never fired\n{output}"
+    code, verdict, output, _ = _against_fault(tmp_path, cpu_fleet, "short-continuation", "short-follow-up")
     assert (code, verdict["error_class"]) == (1, "CorruptionDetected"), output
     assert _finding(verdict, "short-follow-up")["status"] == "FAIL", output
     added = _finding(verdict, "short-trigger")["figures"]["added_tokens"]

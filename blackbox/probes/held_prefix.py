@@ -43,7 +43,7 @@ from blackbox.probes.base import (
     not_used,
     with_positions,
 )
-from blackbox.probes.resumes import ResumeProbe, Stage, body, drive_prefixes, prefixes, resumed
+from blackbox.probes.resumes import ResumeProbe, Stage, body, drive_prefixes, no_usage, prefixes, resumed
 from blackbox.verdict import Finding
 from blackbox.vocabulary import NAMES
 from blackbox.workload import question_for, turn2_messages
@@ -136,14 +136,7 @@ def trigger(history: History, grading: Grading) -> Finding:
         "turn1_prompt_tokens": prefixes,
     }
     if prefixes and not reported:
-        return Finding.from_error(
-            "held-trigger",
-            errors.TriggerNotExercised(
-                "the treatment reported no usage.prompt_tokens_details.cached_tokens",
-                hint="start the treatment with --enable-prompt-tokens-details",
-            ),
-            **figures,
-        )
+        return no_usage("held-trigger", figures)
     if len(held) < need:
         return Finding.from_error(
             "held-trigger",

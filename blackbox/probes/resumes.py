@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from blackbox import errors
 from blackbox.client import gather_bounded
 from blackbox.compare import deviation
 from blackbox.config import Grading
@@ -41,6 +42,7 @@ __all__ = [
     "drive_prefixes",
     "fresh",
     "grade_prefixes",
+    "no_usage",
     "prefixes",
     "resumed",
 ]
@@ -72,6 +74,18 @@ class ResumeProbe(Probe):
 
     def required(self, grading: Grading) -> frozenset[str]:
         return frozenset({self.grader})
+
+
+def no_usage(check: str, figures: Mapping[str, Any]) -> Finding:
+    """The trigger finding for a treatment whose answers carried no cached_tokens: no hit can be shown."""
+    return Finding.from_error(
+        check,
+        errors.TriggerNotExercised(
+            "the treatment reported no usage.prompt_tokens_details.cached_tokens",
+            hint="start the treatment with --enable-prompt-tokens-details",
+        ),
+        **figures,
+    )
 
 
 def body(ctx: DriveContext, messages: Messages, **extra: object) -> dict[str, object]:

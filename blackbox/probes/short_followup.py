@@ -29,7 +29,17 @@ from blackbox.config import Grading
 from blackbox.evidence import Sample
 from blackbox.history import Arm, Exchange, History, Plan
 from blackbox.probes.base import DriveContext, Driven
-from blackbox.probes.resumes import Resume, ResumeProbe, Stage, body, drive_prefixes, grade_prefixes, prefixes, resumed
+from blackbox.probes.resumes import (
+    Resume,
+    ResumeProbe,
+    Stage,
+    body,
+    drive_prefixes,
+    grade_prefixes,
+    no_usage,
+    prefixes,
+    resumed,
+)
 from blackbox.verdict import Finding
 from blackbox.workload import turn2_messages
 
@@ -115,14 +125,7 @@ def trigger(history: History, grading: Grading) -> Finding:
         "turn1_prompt_tokens": held,
     }
     if held and not any(e is not None and e.ok and e.cached_tokens is not None for es in follow.values() for e in es):
-        return Finding.from_error(
-            "short-trigger",
-            errors.TriggerNotExercised(
-                "the treatment reported no usage.prompt_tokens_details.cached_tokens",
-                hint="start the treatment with --enable-prompt-tokens-details",
-            ),
-            **figures,
-        )
+        return no_usage("short-trigger", figures)
     if len(short) < need:
         return Finding.from_error(
             "short-trigger",
