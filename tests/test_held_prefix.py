@@ -135,3 +135,56 @@ def test_the_probe_record_survives_the_run_folder(tmp_path: Path) -> None:
     _, loaded = load_history(tmp_path / "run")
     assert loaded.extras == history.extras  # what the grader reads besides the exchanges
     assert len(loaded.exchanges) == len(history.exchanges)
+
+
+def timed(history: History, starts: Sequence[float], elapsed: float = 1.0) -> History:
+    """Each treatment resume of every prefix sent at `starts[j]` (its kind's place in KINDS), taking `elapsed`."""
+    at = dict(zip(KINDS, starts, strict=True))
+
+    def when(e: Exchange) -> Exchange:
+        start = at.get(e.kind, 100.0) if e.arm == Arm.TREATMENT else 100.0
+        return dataclasses.replace(e, started_s=start, elapsed_s=elapsed)
+
+    return dataclasses.replace(history, exchanges=tuple(when(e) for e in history.exchanges))
+
+
+def test_the_trigger_says_how_many_blocks_resumes_in_flight_together_re_hit() -> None:
+    # B1..Bn sent together, A's own follow-up after them: every block was re-hit by resumes in flight at once.
+    together = timed(held_history(), [0.0] * (len(KINDS) - 1) + [5.0])
+    [gate] = held.HELD_PREFIX.gates(together, GRADING)
+    assert gate.status is Status.PASS and gate.figures["re_hit_together"] == HELD
+    assert f"{HELD} of {HELD} blocks by two or more resumes in flight at once" in gate.reason
+
+
+def test_resumes_one_after_another_still_pass_the_trigger_and_say_none_were_together() -> None:
+    """Not a gate: a poisoned block shows on resumes one at a time too; only the concurrent family needs overlap."""
+    apart = timed(held_history(), [float(2 * j) for j in range(len(KINDS))])
+    [gate] = held.HELD_PREFIX.gates(apart, GRADING)
+    assert gate.status is Status.PASS and gate.figures["re_hit_together"] == 0
+    assert f"0 of {HELD} blocks by two or more resumes in flight at once" in gate.reason
+
+
+def test_a_run_without_a_timeline_says_nothing_about_overlap() -> None:
+    [gate] = held.HELD_PREFIX.gates(held_history(), GRADING)  # hand-built exchanges carry no start times
+    assert gate.status is Status.PASS and gate.figures["re_hit_together"] is None
+    assert "in flight at once" not in gate.reason
+
+
+@pytest.mark.parametrize(
+    ("spans", "together"),
+    [
+        ([(0.0, 1.0), (0.5, 1.0)], True),
+        ([(0.0, 5.0), (1.0, 1.0), (3.0, 1.0)], True),  # the first overlaps both later ones
+        ([(0.0, 1.0), (1.0, 1.0), (2.5, 1.0)], False),  # one ends as the next starts: not at once
+        ([(0.0, 1.0)], False),
+        ([(0.0, 1.0), (None, 1.0)], None),
+    ],
+)
+def test_in_flight_together_reads_the_clients_start_and_elapsed_times(
+    spans: list[tuple[float | None, float]], together: bool | None
+) -> None:
+    exchanges = [
+        dataclasses.replace(h.exchange(1, Arm.TREATMENT, f"k{i}"), started_s=start, elapsed_s=took)
+        for i, (start, took) in enumerate(spans)
+    ]
+    assert held.in_flight_together(exchanges) is together

@@ -25,6 +25,7 @@ or a restore that is wrong every time: from outside the two are one); where only
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import defaultdict
@@ -48,7 +49,17 @@ from blackbox.verdict import Finding
 from blackbox.vocabulary import NAMES
 from blackbox.workload import question_for, turn2_messages
 
-__all__ = ["FIRST", "HELD_PREFIX", "RESUMES", "HeldPrefix", "blocks", "held_prefixes", "shape_of", "trigger"]
+__all__ = [
+    "FIRST",
+    "HELD_PREFIX",
+    "RESUMES",
+    "HeldPrefix",
+    "blocks",
+    "held_prefixes",
+    "in_flight_together",
+    "shape_of",
+    "trigger",
+]
 
 FIRST = 20_000  # conversation id of the first held prefix (apart from the other probes' documents)
 RESUMES = 3  # other requests B1..Bn per prefix; A's own follow-up is one more resume
@@ -119,15 +130,39 @@ def blocks(history: History, arm: str, hard_margin: float, tokens: int | None = 
     return out
 
 
+def in_flight_together(exchanges: Sequence[Exchange | None]) -> bool | None:
+    """Whether two of these requests were in flight at once, as the client timed them (None where a request has no
+    start time: run folders from before the timeline). The client's clock, not the server's: overlap here is what
+    lets two resumes share a scheduler step, not proof that they did."""
+    sent = [e for e in exchanges if e is not None and e.ok]
+    if any(e.started_s is None for e in sent):
+        return None
+    spans = sorted((e.started_s, e.started_s + e.elapsed_s) for e in sent if e.started_s is not None)
+    # Sorted by start, some two overlap exactly where some neighbours do.
+    return any(later[0] < earlier[1] for earlier, later in itertools.pairwise(spans))
+
+
+def _together(history: History, blocks_hit: Sequence[Block]) -> int | None:
+    """How many re-hit blocks two or more of their resumes were sent to at once (None: the run has no timeline)."""
+    found = [
+        in_flight_together([history.get(b.prefix, Arm.TREATMENT, kind) for kind, _, _ in b.deviations])
+        for b in blocks_hit
+    ]
+    return None if any(f is None for f in found) else sum(bool(f) for f in found)
+
+
 def trigger(history: History, grading: Grading) -> Finding:
     prefixes = _prefixes(history, Arm.TREATMENT)
     resumes = [history.get(p, Arm.TREATMENT, k) for p in prefixes for k in _resumes(history)]
     reported = [e for e in resumes if e is not None and e.ok and e.cached_tokens is not None]
-    held = {b.prefix for b in blocks(history, Arm.TREATMENT, math.inf)}
+    hit = blocks(history, Arm.TREATMENT, math.inf)
+    held = {b.prefix for b in hit}
+    together = _together(history, hit)
     need = max(1, math.ceil(grading.min_trigger_fraction * len(prefixes)))
     figures: dict[str, Any] = {
         "prefixes": len(prefixes),
         "re_hit_prefixes": len(held),
+        "re_hit_together": together,
         "needed": need,
         "cached_tokens": {
             p: [e.cached_tokens if e else None for e in (history.get(p, Arm.TREATMENT, k) for k in _resumes(history))]
@@ -148,9 +183,12 @@ def trigger(history: History, grading: Grading) -> Finding:
             ),
             **figures,
         )
+    # Not a gate: a block re-hit one resume at a time still tests a poisoned checkpoint, but not the resumes that
+    # share a step (the concurrent-resume family), so the reason says how many blocks the probe reached that way.
+    at_once = "" if together is None else f", {together} of {len(hit)} blocks by two or more resumes in flight at once"
     return Finding.passed(
         "held-trigger",
-        f"{len(held)} of {len(prefixes)} held prefixes were re-hit in their decode-written blocks",
+        f"{len(held)} of {len(prefixes)} held prefixes were re-hit in their decode-written blocks{at_once}",
         **figures,
     )
 
