@@ -59,6 +59,12 @@ FIGURE_CHECKS = (
     "recall",
     "race-trigger",
     "race-divergence",
+    "held-trigger",
+    "held-prefix",
+    "short-trigger",
+    "short-follow-up",
+    "hit-geometry",
+    "sweep-exactness",
 )
 
 
