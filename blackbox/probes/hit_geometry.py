@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from blackbox import errors, metrics
@@ -190,6 +191,40 @@ def _samples(history: History, arm: str, hard_margin: float, tokens: int) -> lis
     return out
 
 
+def step_budget(history: History) -> int | None:
+    """The treatment's max_num_batched_tokens: published (/server_info), else as the user stated it."""
+    info = history.treatment_info
+    published = info.settings.get("max_num_batched_tokens") if info is not None else None
+    if published is not None and published.isdigit():
+        return int(published)
+    return history.step_budget
+
+
+def _tails(history: History, arm: str) -> dict[int, int]:
+    """Sweep prompt -> the tokens its repeat recomputed after the hit."""
+    out = {}
+    for row in _rows(history):
+        hit = history.get(int(row["index"]), arm, REPEAT)
+        if hit is not None and hit.prompt_tokens is not None and hit.cached_tokens:
+            out[int(row["index"])] = hit.prompt_tokens - hit.cached_tokens
+    return out
+
+
+def _fits(history: History, arm: str, samples: list[Sample], budget: int | None) -> tuple[list[Sample], list[Sample]]:
+    """The repeats whose recomputed tail fits in one step, and those whose tail the step budget cuts (none without
+    a known budget). On an engine that is not bit-exact the cut alone can make a repeat differ from its cold send,
+    and the treatment's tails are a block longer than the reference's (the drafter drops the last matched block),
+    so a small budget cuts the treatment's where it leaves the reference's whole or cuts them elsewhere: the two
+    arms' deviations are then not alike, and a correct engine read as corrupt (measured on cpu-tiny-fragmented,
+    budget 96: bench/results/new-probes.md)."""
+    tails = _tails(history, arm)
+    fits: list[Sample] = []
+    cut: list[Sample] = []
+    for s in samples:
+        (cut if budget is not None and tails.get(int(s.unit), 0) > budget else fits).append(s)
+    return fits, cut
+
+
 def grade(history: History, grading: Grading, alpha: float) -> Finding:
     if Arm.REFERENCE not in history.arms():
         return not_used(
@@ -198,25 +233,36 @@ def grade(history: History, grading: Grading, alpha: float) -> Finding:
             "correct engine's hits deviate from their cold first send",
         )
     n = compared_positions(history, grading)
-    t = _samples(history, Arm.TREATMENT, grading.hard_margin, n)
-    r = _samples(history, Arm.REFERENCE, grading.hard_margin, n)
-    if not t or not r:
-        return not_used("sweep-exactness", f"no repeats hit to compare (treatment {len(t)}, reference {len(r)})")
-    return with_positions(
-        n,
-        judge_samples(
-            "sweep-exactness",
-            t,
-            r,
-            alpha=alpha,
-            what="treatment sweep repeats (hits)",
-            against="the reference's",
-            assumed=grading.yardstick_assumed,
-            runs=len(_rows(history)),
-            hint="replay the listed sweep prompts from the run folder's replay/",
-            run_unit="sweep prompts",
-        ),
+    budget = step_budget(history)
+    t, t_cut = _fits(history, Arm.TREATMENT, _samples(history, Arm.TREATMENT, grading.hard_margin, n), budget)
+    r, r_cut = _fits(history, Arm.REFERENCE, _samples(history, Arm.REFERENCE, grading.hard_margin, n), budget)
+    cut = (
+        f"; not graded: {len(t_cut)} treatment and {len(r_cut)} reference repeats whose recomputed tail the step "
+        f"budget ({budget} tokens) cuts, which differ from their cold send on a correct engine that is not "
+        "bit-exact, by how the cut falls (the treatment's tails are a block longer: the drafter drops the last "
+        "matched block)"
+        if t_cut or r_cut
+        else ""
     )
+    if not t or not r:
+        return not_used(
+            "sweep-exactness",
+            f"no repeats hit to compare (treatment {len(t)}, reference {len(r)} whose tail fits one step){cut}",
+        )
+    found = judge_samples(
+        "sweep-exactness",
+        t,
+        r,
+        alpha=alpha,
+        what="treatment sweep repeats (hits)",
+        against="the reference's",
+        assumed=grading.yardstick_assumed,
+        runs=len(_rows(history)),
+        hint="replay the listed sweep prompts from the run folder's replay/",
+        run_unit="sweep prompts",
+    )
+    figures = {**found.figures, "step_budget": budget, "cut_tails": {"treatment": len(t_cut), "reference": len(r_cut)}}
+    return with_positions(n, replace(found, reason=found.reason + cut, figures=figures))
 
 
 HIT_GEOMETRY = HitGeometry()
