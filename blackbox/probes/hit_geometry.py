@@ -16,7 +16,9 @@ hit. A class that does is the finding, and the summary names its offsets; it is 
 FAIL: no answer was shown wrong, but the other probes' coverage there is nil.
 
 Grader (`sweep-exactness`): each repeat (a hit) against its first send (computed cold), treatment against the
-same on the reference, with the statistics every grader shares; the hits end in the prefill-written region.
+same on the reference, with the statistics every grader shares; the hits end in the prefill-written region. Only
+repeats whose recomputed tail fits one scheduler step are graded (`_fits`: the arms' tails differ by the drafter's
+drop, so a budget that cuts them makes a correct engine's arms unlike).
 """
 
 from __future__ import annotations
