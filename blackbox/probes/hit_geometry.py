@@ -17,7 +17,7 @@ FAIL: no answer was shown wrong, but the other probes' coverage there is nil.
 
 Grader (`sweep-exactness`): each repeat (a hit) against its first send (computed cold), treatment against the
 same on the reference, with the statistics every grader shares; the hits end in the prefill-written region. Only
-repeats whose recomputed tail fits one scheduler step are graded (`_fits`: the arms' tails differ by the drafter's
+repeats whose recomputed tail fits one scheduler step are graded (`_samples`: the arms' tails differ by the drafter's
 drop, so a budget that cuts them makes a correct engine's arms unlike).
 """
 
@@ -180,19 +180,6 @@ def sweep(history: History) -> Finding:
     )
 
 
-def _samples(history: History, arm: str, hard_margin: float, tokens: int) -> list[Sample]:
-    out = []
-    for row in _rows(history):
-        index = int(row["index"])
-        hit, cold = history.get(index, arm, REPEAT), history.get(index, arm, FIRST_SEND)
-        if hit is None or cold is None or not (hit.ok and cold.ok and hit.tokens and cold.tokens):
-            continue
-        if hit.cached_tokens:
-            mine, theirs = hit.tokens[:tokens], cold.tokens[:tokens]
-            out.append(Sample(index, REPEAT, deviation(mine, theirs, hard_margin), mine != theirs))
-    return out
-
-
 def step_budget(history: History) -> int | None:
     """The treatment's max_num_batched_tokens: published (/server_info), else as the user stated it."""
     info = history.treatment_info
@@ -202,28 +189,28 @@ def step_budget(history: History) -> int | None:
     return history.step_budget
 
 
-def _tails(history: History, arm: str) -> dict[int, int]:
-    """Sweep prompt -> the tokens its repeat recomputed after the hit."""
-    out = {}
-    for row in _rows(history):
-        hit = history.get(int(row["index"]), arm, REPEAT)
-        if hit is not None and hit.prompt_tokens is not None and hit.cached_tokens:
-            out[int(row["index"])] = hit.prompt_tokens - hit.cached_tokens
-    return out
-
-
-def _fits(history: History, arm: str, samples: list[Sample], budget: int | None) -> tuple[list[Sample], list[Sample]]:
-    """The repeats whose recomputed tail fits in one step, and those whose tail the step budget cuts (none without
-    a known budget). On an engine that is not bit-exact the cut alone can make a repeat differ from its cold send,
-    and the treatment's tails are a block longer than the reference's (the drafter drops the last matched block),
-    so a small budget cuts the treatment's where it leaves the reference's whole or cuts them elsewhere: the two
-    arms' deviations are then not alike, and a correct engine read as corrupt (measured on cpu-tiny-fragmented,
-    budget 96: bench/results/new-probes.md)."""
-    tails = _tails(history, arm)
+def _samples(
+    history: History, arm: str, hard_margin: float, tokens: int, budget: int | None
+) -> tuple[list[Sample], list[Sample]]:
+    """Each repeat that hit, against its cold first send: those whose recomputed tail (prompt less hit) fits in one
+    step, and those whose tail the step budget cuts (none without a known budget). On an engine that is not
+    bit-exact the cut alone can make a repeat differ from its cold send, and the treatment's tails are a block longer
+    than the reference's (the drafter drops the last matched block), so a small budget cuts the treatment's where it
+    leaves the reference's whole: the arms are then not alike, and a correct engine read as corrupt (measured on
+    cpu-tiny-fragmented, budget 96: bench/results/new-probes.md)."""
     fits: list[Sample] = []
     cut: list[Sample] = []
-    for s in samples:
-        (cut if budget is not None and tails.get(int(s.unit), 0) > budget else fits).append(s)
+    for row in _rows(history):
+        index = int(row["index"])
+        hit, cold = history.get(index, arm, REPEAT), history.get(index, arm, FIRST_SEND)
+        if hit is None or cold is None or not (hit.ok and cold.ok and hit.tokens and cold.tokens):
+            continue
+        if hit.cached_tokens:
+            mine, theirs = hit.tokens[:tokens], cold.tokens[:tokens]
+            tail = hit.prompt_tokens - hit.cached_tokens if hit.prompt_tokens is not None else 0
+            (cut if budget is not None and tail > budget else fits).append(
+                Sample(index, REPEAT, deviation(mine, theirs, hard_margin), mine != theirs)
+            )
     return fits, cut
 
 
@@ -236,8 +223,8 @@ def grade(history: History, grading: Grading, alpha: float) -> Finding:
         )
     n = compared_positions(history, grading)
     budget = step_budget(history)
-    t, t_cut = _fits(history, Arm.TREATMENT, _samples(history, Arm.TREATMENT, grading.hard_margin, n), budget)
-    r, r_cut = _fits(history, Arm.REFERENCE, _samples(history, Arm.REFERENCE, grading.hard_margin, n), budget)
+    t, t_cut = _samples(history, Arm.TREATMENT, grading.hard_margin, n, budget)
+    r, r_cut = _samples(history, Arm.REFERENCE, grading.hard_margin, n, budget)
     cut = (
         f"; not graded: {len(t_cut)} treatment and {len(r_cut)} reference repeats whose recomputed tail the step "
         f"budget ({budget} tokens) cuts, which differ from their cold send on a correct engine that is not "
