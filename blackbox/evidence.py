@@ -3,11 +3,11 @@
 The subject (treatment hits) is compared with a yardstick measured in the same run on a correct-by-construction
 path (the reference's hits, or cold racers). Three one-sided tests share the grader's alpha equally:
 
-- Mann-Whitney U on the deviations against the yardstick's scaled by SHIFT_MARGIN: the whole distribution shifted
+- Mann-Whitney U on the deviations against the yardstick's scaled by MARGIN: the whole distribution shifted
   by more than a correct engine's systematic differences (every hit a little wrong);
-- exceedance: some subject deviations beyond the yardstick's largest, or beyond its 2nd, 3rd .. RANKS-th largest
-  (a fault that fires in some hits only), the best of those thresholds with its exact p-value, so that a few
-  outliers of the yardstick cannot set the threshold for the whole run;
+- exceedance: some subject deviations beyond MARGIN times the yardstick's largest, or its 2nd, 3rd .. RANKS-th
+  largest (a fault that fires in some hits only), the best of those thresholds with its exact p-value, so that a
+  few outliers of the yardstick cannot set the threshold for the whole run;
 - Fisher's exact test on a count: bit-level differences where the yardstick is exact, confident token flips
   where it is not.
 
@@ -35,13 +35,18 @@ from blackbox.verdict import Finding
 __all__ = ["POWER", "Sample", "judge_samples", "summary"]
 
 POWER = 0.95
-# The shift test asks for a shift beyond 1.25x the yardstick's deviations. A correct treatment can deviate a
-# little more than its reference everywhere: on the H200 its prefill-region hits were bit-identical to
-# recomputation in 1 of 32 where the reference's were in 13, both otherwise within one bf16 step (0.0625 nat),
-# and Mann-Whitney read that as a shift (p = 0.0044 at 32 conversations; at the 70 a PASS suggests for 20% it
-# would read FAIL). With the margin that run gives p = 0.36, and both GPU faults still p < 1e-7 (gpu.md).
-# The exceedance tests keep the yardstick's values as they are: they are the ones for sporadic faults.
-SHIFT_MARGIN = 1.25
+# Both value tests ask for deviations beyond 1.25x the yardstick's. A correct treatment can deviate a little more
+# than its reference everywhere: it resumes from states written during speculative decoding, and on the H200 its
+# prefill-region hits were bit-identical to recomputation in 1 of 32 where the reference's were in 13, both
+# otherwise within one bf16 step (0.0625 nat). Mann-Whitney read that as a shift (p = 0.0044 at 32 conversations;
+# with the margin p = 0.36, both GPU faults still p < 1e-7, gpu.md). The exceedance test took the yardstick as it
+# was until a null simulation of a correct treatment with 1.1x the reference's noise read FAIL in 1.85% of runs at
+# 64 conversations (alpha 0.01; 3.4% on maxima of resumes); with its thresholds at 1.25x too, <= 0.15% on every
+# benign model (docs/statistics.md, tests/test_nulls.py). Under the null the margin only makes the exact test
+# more conservative (deviations are >= 0), and a wrong recurrent state is not 1.25x of noise: the faults it was
+# built for land far beyond (bench/results/faults.md).
+MARGIN = 1.25
+SHIFT_MARGIN = MARGIN  # the figure's old name (run folders and tests read "shift_margin")
 # How deep into the yardstick's top the exceedance test may put its threshold. Where a correct engine's yardstick
 # has no outliers (the CPU pair) a fault's corrupted hits land beyond all of it and the largest is the sharpest
 # threshold; on the H200 one to three reference outliers (0.43 nat against a next of 0.37) hid 0.2 sporadic faults
@@ -117,22 +122,24 @@ def judge_samples(
             conversations_needed=need,
         )
     sx, yx = [s.deviation for s in subject], [s.deviation for s in yardstick]
+    thresholds = [MARGIN * y for y in yx]  # what a subject deviation must exceed (inf stays inf, 0 stays 0)
     s_count = sum(getattr(s, counted) for s in subject)
     y_count = sum(getattr(s, counted) for s in yardstick)
     tests = [
-        stats.mann_whitney_greater(sx, [SHIFT_MARGIN * y for y in yx]),
-        stats.exceedance(sx, yx, RANKS),
+        stats.mann_whitney_greater(sx, thresholds),
+        stats.exceedance(sx, thresholds, RANKS),
         stats.fisher_greater(s_count, len(subject) - s_count, y_count, len(yardstick) - y_count),
     ]
-    largest = max(yx)
-    deep = stats.kth_largest(yx, min(RANKS, len(yx)))
+    largest = max(thresholds)
+    deep = stats.kth_largest(thresholds, min(RANKS, len(thresholds)))
     # What a FAIL lists for replay: the samples beyond the threshold that decided, or beyond the largest.
-    listed = stats.kth_largest(yx, tests[1].rank) if tests[1].p_value < level else largest
+    listed = stats.kth_largest(thresholds, tests[1].rank) if tests[1].p_value < level else largest
     power = _power(len(subject), len(yardstick), y_count, level, (largest, deep), what, runs, run_unit)
     figures = {
         **base,
         "alpha_per_test": level,
-        "shift_margin": SHIFT_MARGIN,
+        "shift_margin": MARGIN,
+        "exceedance_margin": MARGIN,
         "subject_deviation": summary(sx),
         "yardstick_deviation": summary(yx),
         "counted": counted,
@@ -159,14 +166,14 @@ def judge_samples(
             errors.CorruptionDetected(
                 f"{what} deviate from recomputation more than {against} do: {'; '.join(failed)} (< {level:.3g}); "
                 f"{s_count}/{len(subject)} {counted_what} vs {y_count}/{len(yardstick)}; "
-                f"{sum(s.deviation > largest for s in subject)} beyond the largest of {against} ({_nat(largest)}), "
-                f"{sum(s.deviation > deep for s in subject)} beyond their {stats.ordinal(RANKS)} largest "
-                f"({_nat(deep)})",
+                f"{sum(s.deviation > largest for s in subject)} beyond {MARGIN}x the largest of {against} "
+                f"({_nat(largest)}), {sum(s.deviation > deep for s in subject)} beyond {MARGIN}x their "
+                f"{stats.ordinal(RANKS)} largest ({_nat(deep)})",
                 hint=hint,
             ),
             **figures,
         )
-    room = _room(len(subject), yx, level)
+    room = _room(len(subject), thresholds, level)
     if room is not None:
         return Finding.from_error(
             check,
@@ -208,7 +215,7 @@ def _power(
     n_y: int,
     y_count: int,
     level: float,
-    thresholds: tuple[float, float],  # the yardstick's largest, and its RANKS-th largest
+    thresholds: tuple[float, float],  # MARGIN x the yardstick's largest, and x its RANKS-th largest
     what: str,
     runs: int,
     run_unit: str,
@@ -224,7 +231,11 @@ def _power(
         size = "confident token flips"
     else:
         critical = stats.exceedance_critical(n_s, n_y, level, ranks=RANKS)
-        size = f"a deviation beyond {_nat(largest)}" if largest > 0 else "any difference from recomputation"
+        size = (
+            f"a deviation beyond {_nat(largest)} ({MARGIN}x their largest)"
+            if largest > 0
+            else "any difference from recomputation"
+        )
         if deep < largest:
             q_deep = stats.detectable_fraction(n_s, stats.exceedance_critical(n_s, n_y, level, RANKS, RANKS), POWER)
     q = stats.detectable_fraction(n_s, critical, POWER)
@@ -236,7 +247,11 @@ def _power(
             )
     sentence = (
         f"{size} in >= {q:.0%} of {what}"
-        + (f", or beyond {_nat(deep)} (their {stats.ordinal(RANKS)} largest) in >= {q_deep:.0%}," if q_deep else "")
+        + (
+            f", or beyond {_nat(deep)} ({MARGIN}x their {stats.ordinal(RANKS)} largest) in >= {q_deep:.0%},"
+            if q_deep
+            else ""
+        )
         + f" would have been detected with probability {POWER}"
         if q is not None
         else f"not even {size} in every one of the {what} could have been detected"

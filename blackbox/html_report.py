@@ -281,9 +281,12 @@ def _deviation_plot(folder: RunFolder, c: Any, plots: Any) -> Drawn:
     ranked = sorted((s.deviation for s in r), reverse=True)
     largest = fig.get("detectable_deviation", ranked[0])
     deep = fig.get("detectable_deviation_deep", ranked[min(RANKS, len(ranked)) - 1])
-    thresholds = [("reference's largest", largest)]
+    # Since 2026-12-04 the exceedance thresholds sit at a margin over the reference's values (older folders: none).
+    margin = fig.get("exceedance_margin")
+    times = f"{margin:g}x " if margin else ""
+    thresholds = [(f"{times}reference's largest", largest)]
     if deep != largest:
-        thresholds.append((f"reference's {RANKS}th largest", deep))
+        thresholds.append((f"{times}reference's {RANKS}th largest", deep))
     svg = plots.deviations(
         [s.deviation for s in t],
         [s.deviation for s in r],

@@ -174,7 +174,8 @@ def test_a_treatment_within_the_references_noise_passes() -> None:
     assert finding.status is Status.PASS, finding.reason
     assert finding.figures["counted"] == "hard"  # only confident flips are counted
     assert finding.figures["subject_identical"] == 0
-    assert "a deviation beyond 0.00042 nat in >= " in finding.reason
+    # the detectable size is beyond 1.25x the reference's largest (0.00042 nat)
+    assert "a deviation beyond 0.000525 nat (1.25x their largest) in >= " in finding.reason
     # the same reference against a treatment far beyond it
     broken = graders.exactness(probe_history(BROKEN, NOISE), GRADING)
     assert broken.status is Status.FAIL, broken.reason
@@ -489,6 +490,23 @@ def test_yardstick_conversations_count_only_for_the_reference() -> None:
     assert len(graders.samples(history, Arm.REFERENCE, graders.LOGPROB.pairs, graders.LOGPROB.where, 1.0)) == 8
 
 
+def test_a_treatment_a_little_noisier_than_its_reference_is_not_corruption() -> None:
+    # A correct treatment that deviates a little more than its reference (states written during speculative
+    # decoding, another reduction order): 8 of 12 hits 1.2x the reference's largest. Judged against the
+    # reference's values themselves that is 8 beyond its largest, p = 0.0012 < 0.0033: it read FAIL. The
+    # exceedance thresholds now sit at 1.25x, as the shift test's (p = 0.029).
+    top = max(NOISE)
+    treatment = [1.2 * top] * 8 + NOISE[:4]
+    finding = graders.logprob(logprob_history(treatment, NOISE), GRADING)
+    assert finding.status is Status.PASS, finding.reason
+    assert finding.figures["exceedance_margin"] == 1.25
+    assert stats.exceedance(treatment, NOISE, evidence.RANKS).p_value < LEVEL  # the old thresholds
+    # a fault beyond the margin still fails: the same 8 hits at 1.3x
+    corrupt = graders.logprob(logprob_history([1.3 * top] * 8 + NOISE[:4], NOISE), GRADING)
+    assert corrupt.error_class == "CorruptionDetected", corrupt.reason
+    assert "8 beyond 1.25x the largest of the reference's (0.000525 nat)" in corrupt.reason
+
+
 def test_deviations_at_the_noise_floor_on_both_arms_pass_with_a_power_statement() -> None:
     finding = graders.logprob(logprob_history(NOISE, NOISE[::-1]), GRADING)
     assert finding.status is Status.PASS, finding.reason
@@ -498,7 +516,7 @@ def test_deviations_at_the_noise_floor_on_both_arms_pass_with_a_power_statement(
     deep, q_deep = finding.figures["detectable_deviation_deep"], finding.figures["detectable_fraction_deep"]
     assert deep < finding.figures["detectable_deviation"] and q < q_deep < 1  # a smaller size, in more hits
     assert (
-        f"in >= {q:.0%} of treatment decode-region hits, or beyond {deep:.3g} nat (their 4th largest) in >= "
+        f"in >= {q:.0%} of treatment decode-region hits, or beyond {deep:.3g} nat (1.25x their 4th largest) in >= "
         f"{q_deep:.0%}, would have been detected with probability 0.95"
     ) in finding.reason
     assert finding.figures["detection_power"] == 0.95
@@ -511,7 +529,7 @@ def test_deviations_at_the_noise_floor_on_both_arms_pass_with_a_power_statement(
     just = finding.figures["power_just_beyond_at_those"]
     assert just["20%"] == pytest.approx(stats.power_just_beyond(for20, for20, 12, LEVEL, 0.2, evidence.RANKS))
     assert just["10%"] < just["20%"] < 0.95
-    assert f"(just beyond 0.00042 nat: probability >= {just['20%']:.2f}, {just['10%']:.2f})" in finding.reason
+    assert f"(just beyond 0.000525 nat: probability >= {just['20%']:.2f}, {just['10%']:.2f})" in finding.reason
 
 
 def test_a_pass_names_only_the_run_lengths_it_could_not_promise() -> None:
