@@ -237,10 +237,24 @@ CASES += (
     ),
     *(
         Case(
-            f"eagle-overrun 0.5 {shape} held-prefix",
+            f"eagle-overrun {fraction:g} {shape} held-prefix",
             "held-prefix",
             fault="eagle-overrun",
-            sporadic=0.5,
+            sporadic=fraction,
+            shape=shape,
+            new_probe=True,
+        )
+        for fraction in (0.5, 0.2)
+        for shape in ("block", "restore")
+    ),
+    # recycled-block's sporadic forms, for the length a load PASS names for 20% of prefixes.
+    *(
+        Case(
+            f"recycled-block 0.2 {shape} load",
+            "load",
+            "cpu-tiny-load",
+            fault="recycled-block",
+            sporadic=0.2,
             shape=shape,
             new_probe=True,
         )
