@@ -2,6 +2,7 @@
 
     python -m servers.gpu.digest counts LOG FAULT            # "fired skipped" so far in a treatment log
     python -m servers.gpu.digest record RUN_DIR --case NAME --seed N [--fault F --before F,S --after F,S]
+    python -m servers.gpu.digest load RUN_DIR --case NAME --seed N [--fault F --before F,S --after F,S]
 
 A 64-conversation GPU run folder is ~120 MB (every answer's top-k logprobs), ~12 MB as xz, and a device call
 brings back at most 64 MiB: a sitting of four triples makes ~16 runs a call. So each run is re-judged on the
@@ -119,19 +120,70 @@ def record(
     }
 
 
+LOAD_SETTINGS = ("async_scheduling", "block_size", "num_gpu_blocks", "num_gpu_blocks_override", "enforce_eager")
+
+
+def load_record(
+    run_dir: Path, case: str, seed: int, fault: str | None, before: str | None, after: str | None
+) -> dict[str, Any]:
+    """A load-probe run's record: its stored verdict, the load-trigger's pressure figures, the treatment's KV and
+    scheduling settings, and the fault's fires. Read from the run's files as stored (the device runs this
+    checkout's code); `needed` and `caught_by` come from judging it again, when that works."""
+    stored = json.loads((run_dir / "verdict.json").read_text())
+    findings = {f["check"]: f for f in stored.get("findings", [])}
+    trigger, graded = findings.get("load-trigger") or {}, findings.get("load") or {}
+    servers = json.loads((run_dir / "servers.json").read_text()) if (run_dir / "servers.json").exists() else {}
+    treatment = servers.get("treatment") or {}
+    settings = treatment.get("settings") or {}
+    fired0, skipped0 = _pair(before)
+    fired1, skipped1 = _pair(after)
+    figures = graded.get("figures") or {}
+    rec: dict[str, Any] = {
+        "case": case,
+        "seed": seed,
+        "probe": "load",
+        "status": stored.get("status"),
+        "error_class": stored.get("error_class"),
+        "reason": (stored.get("reason") or "")[:400],
+        "hint": (stored.get("hint") or "")[:300],
+        "wall_s": stored.get("elapsed_s"),
+        "trigger": {"status": trigger.get("status"), "reason": trigger.get("reason"), **(trigger.get("figures") or {})},
+        "load": {
+            "status": graded.get("status"),
+            **{k: figures.get(k) for k in ("n_subject", "n_yardstick", "p_values") if k in figures},
+        },
+        "unknown_checks": sorted(c for c, f in findings.items() if f.get("status") in ("UNKNOWN", "ERROR")),
+        "vllm": treatment.get("version"),
+        "treatment_settings": {k: settings.get(k) for k in LOAD_SETTINGS},
+        "fault": fault,
+        "fired": fired1 - fired0,
+        "skipped": skipped1 - skipped0,
+        "run": run_dir.name,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+    try:
+        again = rejudge(run_dir)
+        out = _bench().outcome(again.verdict, again.history, again.config)
+        rec.update(needed=out["needed"], caught_by=out["caught_by"], rejudged_status=out["status"])
+    except Exception as exc:  # the stored verdict stands; say why it was not judged again
+        rec["rejudge_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m servers.gpu.digest")
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("counts")
     c.add_argument("log", type=Path)
     c.add_argument("fault")
-    r = sub.add_parser("record")
-    r.add_argument("run_dir", type=Path, help="a run's folder, or the folder holding exactly one")
-    r.add_argument("--case", required=True)
-    r.add_argument("--seed", type=int, required=True)
-    r.add_argument("--fault")
-    r.add_argument("--before", help="fired,skipped before the run")
-    r.add_argument("--after", help="fired,skipped after the run")
+    for name in ("record", "load"):
+        r = sub.add_parser(name)
+        r.add_argument("run_dir", type=Path, help="a run's folder, or the folder holding exactly one")
+        r.add_argument("--case", required=True)
+        r.add_argument("--seed", type=int, required=True)
+        r.add_argument("--fault")
+        r.add_argument("--before", help="fired,skipped before the run")
+        r.add_argument("--after", help="fired,skipped after the run")
     args = parser.parse_args(argv)
     if args.command == "counts":
         print("{},{}".format(*counts(args.log, args.fault)))
@@ -141,9 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    rec = record(run, args.case, args.seed, args.fault, args.before, args.after)
+    make = load_record if args.command == "load" else record
+    rec = make(run, args.case, args.seed, args.fault, args.before, args.after)
     (run.parent / "record.json").write_text(json.dumps(rec, sort_keys=True) + "\n")
-    print(json.dumps({k: rec[k] for k in ("case", "seed", "status", "caught_by", "needed", "fired", "skipped")}))
+    keys: tuple[str, ...] = ("case", "seed", "status", "caught_by", "needed", "fired", "skipped")
+    if args.command == "load":
+        keys += ("error_class", "wall_s", "trigger")
+    print(json.dumps({k: rec.get(k) for k in keys}))
     return 0
 
 

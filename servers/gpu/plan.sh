@@ -20,6 +20,9 @@
 #   start-v4, v4: the sporadic faults at 0.2 over seeds, two triples per fault, PIECEWISE (fourth sitting); each
 #             run judged on the device (servers.gpu.digest), `send` then ships records and small files
 #   start-v5, v5: the same with both faults in both shapes, seeds from 200 (fifth sitting)
+#   start-load, load, loadlogs: the load probe (blackbox run --probe load) with async scheduling on, each triple
+#             with a KV cache too small for the probe's conversations (LOAD_SPECS; eighth sitting,
+#             bench/results/gpu-load.md); `send` then ships records and small files, `loadlogs` the server logs
 #   onegpu    stop every server, then the launcher's own one-GPU mode (three roles, memory fractions, one by
 #             one) and a clean blackbox run against it
 #
@@ -329,6 +332,81 @@ v4() { # SPECS
     cat "$W"/logs/digest-*.out 2>/dev/null | grep '^{' | sort | uniq
 }
 
+# Eighth sitting (issue 23): the load probe on the GPU, where vLLM 0.26 schedules asynchronously by default (MTP is
+# an EAGLE-kind method, so nothing turns it off; the verdict's load-trigger line states what the treatment
+# published). Every role of a triple gets the same small KV cache, the GPU form of servers/profiles.py's
+# LOAD_KV_ARGS: --num-gpu-blocks-override BLOCKS with every eviction sampled. Why 170 blocks here too: the workload
+# lays a conversation out in blocks, not tokens (turn 1: a prompt 16 tokens short of 3 blocks, then 3.5 blocks of
+# answer; workload.plan_conversation), so with the GPU model's 288-token blocks a turn 1 spans the same 6.5
+# blocks per KV-cache group as with the CPU model's 128, and the tiny model's hybrid pool gives it the same ~27
+# blocks: 8 running want ~216, 170 evicts without starving the follow-ups (CPU: 29-32 of 32 hit). A 8192-token
+# request needs ~65 blocks, so vLLM admits the max_model_len. Each triple: NAME:FAULT:PORT:BLOCKS:SEED0 (FAULT "-":
+# a clean treatment), treatment at PORT, control PORT+1, reference PORT+2; LOAD_SEEDS runs a triple, one after
+# another, while LOAD_ROOM seconds (default 240: a run took 205-211 s with two triples side by side, eager) are
+# left for one more (LOAD_CONV conversations, default 32); e.g. add
+# load-clean140:-:8530:140:0 to see whether fewer blocks preempt (on the CPU pair 120 preempted and starved).
+# Every role also gets --block-size LOAD_BLOCK_SIZE (288, what the treatment picks by itself): vLLM 0.26 sizes a
+# hybrid block from the Mamba state, which MTP enlarges, so a reference left to choose takes 272 and blackbox's
+# yardstick gate refuses the triple before any traffic (ConfigMismatch "block_size: treatment 288, reference 272";
+# given only to the reference, "mamba_block_size: treatment 16, reference 288", as the API server publishes the
+# value it had before the engine aligned it; with the flag on every role all publish 288).
+LOAD_BLOCK_SIZE=${LOAD_BLOCK_SIZE:-288}
+LOAD_SPECS=${LOAD_SPECS:-"load-clean:-:8510:170:0 load-recycled:recycled-block:8520:170:0"}
+LOAD_METRICS=(--kv-cache-metrics --kv-cache-metrics-sample 1.0)
+
+start_load() { # SPECS
+    local name fault port blocks seed0
+    for spec in $1; do
+        IFS=: read -r name fault port blocks seed0 <<<"$spec"
+        local kv=("${KV[@]}" --num-gpu-blocks-override "$blocks" "${LOAD_METRICS[@]}" --block-size "$LOAD_BLOCK_SIZE")
+        if [ "$fault" = - ]; then
+            $D serve "f-$name" treatment "$port" -- "${kv[@]}"
+        else
+            $D serve "f-$name" treatment "$port" --fault "$fault" -- "${kv[@]}"
+        fi
+        $D serve "c-$name" control $((port + 1)) -- "${kv[@]}"
+        $D serve "r-$name" reference $((port + 2)) -- "${kv[@]}"
+    done
+}
+
+series_load() { # NAME FAULT PORT SEED0
+    local name=$1 fault=$2 t=$3 seed0=$4 n=0 seed before after case=clean
+    local log=$W/logs/f-$1/treatment.log
+    [ "$fault" != - ] && case="$fault"
+    while ((n < ${LOAD_SEEDS:-4})) && (($(left) > ${LOAD_ROOM:-240})) && healthy "$t"; do
+        seed=$((seed0 + n))
+        n=$((n + 1))
+        : >"$W/logs/digest-$name-s$seed.out" # `send` holds the run back until its record.json
+        before=$(digest counts "$log" "$fault")
+        CONV=${LOAD_CONV:-32} bb_triple "$name-s$seed" "$t" $((t + 1)) $((t + 2)) "$seed" --probe load
+        after=$(digest counts "$log" "$fault")
+        [ -e "$W/runs/$name-s$seed" ] && digest load "$W/runs/$name-s$seed" --case "$case load" --seed "$seed" \
+            --fault "$fault" --before "$before" --after "$after" >"$W/logs/digest-$name-s$seed.out" 2>&1
+    done
+}
+
+load_step() { # SPECS
+    local name fault port blocks seed0 ports=() f
+    rm -f "$W/load-done"
+    for spec in $1; do
+        IFS=: read -r name fault port blocks seed0 <<<"$spec"
+        ports+=("$port" $((port + 1)) $((port + 2)))
+    done
+    $D wait $(($(left) - ${PROBE_RESERVE:-200})) "${ports[@]}"
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+    for spec in $1; do
+        IFS=: read -r name fault port blocks seed0 <<<"$spec"
+        series_load "$name" "$fault" "$port" "$seed0" &
+    done
+    wait
+    for f in "$W"/logs/f-load-*/treatment.log; do
+        echo "$f: $(grep -c 'BLACKBOX_FAULT fired' "$f") fired, $(grep -c 'BLACKBOX_FAULT skipped' "$f") skipped;" \
+            "$(grep -m1 -o 'Asynchronous scheduling is [a-z]*' "$f")"
+    done
+    cat "$W"/logs/digest-load-*.out 2>/dev/null
+    touch "$W/load-done"
+}
+
 # The finished run folders not yet sent, as one solid xz tarball split in 15 MiB parts (at most 8 files, 64 MiB
 # come back a call): join with `cat runs-CALL.tar.xz.part-* | xz -d | tar x`. A run the device has judged (its
 # record.json, fourth sitting) travels as that record and its small files, without the exchanges (~12 MB as xz at 64
@@ -377,6 +455,11 @@ for step in "$@"; do
     start-v4) start_v4 "$V4_SPECS" ;;
     v4) v4 "$V4_SPECS" ;;
     start-v5) start_v4 "$V5_SPECS" ;;
+    start-load) start_load "$LOAD_SPECS" ;;
+    load) load_step "$LOAD_SPECS" ;;
+    loadlogs) # the load servers' logs (fired lines, scheduling, preemptions) as one xz tarball
+        (cd "$W/logs" && tar cf - ./*load* 2>/dev/null) | xz -T0 -6 >"$OUT/load-logs.tar.xz"
+        ls -la "$OUT" ;;
     v5) v4 "$V5_SPECS" ;;
     send) send ;;
     onegpu) onegpu ;;
