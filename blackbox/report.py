@@ -83,7 +83,7 @@ def summary(result: RunResult) -> str:
         q = fig.get("detectable_fraction")
         lines.append(
             f"  {'':<15} {ps}; alpha {_fmt(fig.get('alpha'))}; detects >= {_fmt(q, '.0%')} of hits "
-            f"beyond the yardstick (power {fig.get('detection_power')})"
+            f"beyond {_margin(fig)}the yardstick (power {fig.get('detection_power')})"
         )
     if result.grades:
         used = ", ".join(result.grades.used) or "none"
@@ -144,3 +144,9 @@ class ProgressLine:
         else:
             self.stream.write(text + "\n")
         self.stream.flush()
+
+
+def _margin(fig: Mapping[str, Any]) -> str:
+    """The exceedance thresholds' margin over the yardstick, as the figures state it (folders before it: none)."""
+    margin = fig.get("exceedance_margin")
+    return f"{margin:g}x " if margin else ""
