@@ -25,7 +25,8 @@ mode: the model trained to recall with the multiturn probe, clean and each multi
 and its fault), arm-mismatch (treatment or reference alone with a flag that changes numerics, to be refused as
 `ConfigMismatch`; each multiturn fault with both arms at a small step budget, to FAIL), new-probes (issue 23: the
 held-prefix probe clean, the concurrent-resume fault on it and on the two older probes, eagle-overrun at 0.5 in
-both shapes on it; the hit-geometry sweep clean). Names may be globs
+both shapes on it; the hit-geometry sweep clean), resumes (several resumes a conversation, --resumes 3: clean, its
+benign variants and the block-shaped sporadic faults). Names may be globs
 ('eagle-overrun*').
 """
 
@@ -56,6 +57,7 @@ from blackbox.engine import judge, rejudge, run
 from blackbox.history import Arm, History
 from blackbox.store import RunStore
 from blackbox.verdict import Status, Verdict
+from blackbox.workload import Shape
 from servers.launch import Fleet
 from servers.profiles import DEFAULT_SPECULATIVE_CONFIG, build_specs
 from servers.vllm_plugin.faults import SEED_ENV, SHAPE_ENV, SPORADIC_ENV, fired_counts, skipped_counts
@@ -81,9 +83,12 @@ class Case:
     reference_args: tuple[str, ...] = ()  # flags the reference alone gets
     arms_unlike: bool = False  # a case of the arm-mismatch group (issue 27)
     new_probe: bool = False  # the red/green set of the probes issue 23 added, a group of its own
+    resumes: int = 1  # decode-written boundaries a multiturn conversation resumes from (--resumes)
 
     @property
     def group(self) -> str:
+        if self.resumes > 1:
+            return "resumes"
         if self.new_probe:
             return "new-probes"
         if self.arms_unlike or self.treatment_args or self.reference_args:
@@ -261,7 +266,18 @@ CASES += (
         for shape in ("block", "restore")
     ),
 )
-GROUPS = ("all", "false-alarm", "faults", "sporadic", "alone", "arm-mismatch", "new-probes")
+# Several resumes a conversation (issues 24, 28), against the same cases with one: clean and its benign variants
+# (no FAIL allowed), and the block-shaped sporadic faults, which strike each decode-written boundary on its own.
+CASES += (
+    Case("clean resumes 3", "multiturn", resumes=3),
+    Case("clean fragmented resumes 3", "multiturn", profile="cpu-tiny-fragmented", resumes=3),
+    Case("clean 1 spec token resumes 3", "multiturn", spec_tokens=1, resumes=3),
+    *(
+        Case(f"{f} 0.2 block resumes 3", "multiturn", fault=f, sporadic=0.2, resumes=3)
+        for f in ("eagle-overrun", "stale-checkpoint")
+    ),
+)
+GROUPS = ("all", "false-alarm", "faults", "sporadic", "alone", "arm-mismatch", "new-probes", "resumes")
 
 
 def select(spec: str) -> list[Case]:
@@ -334,6 +350,7 @@ def run_config(case: Case, urls: Mapping[str, str], seed: int, args: argparse.Na
         seed=seed,
         probes=(case.probe,),
         race=RaceSettings(rounds_per_size=args.race_rounds if multiturn else length),
+        shape=Shape(resumes=case.resumes),
     )
 
 

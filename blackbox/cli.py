@@ -27,7 +27,7 @@ from blackbox.engine import RunResult, rejudge, run
 from blackbox.report import ProgressLine, summary
 from blackbox.secrets import Redactor
 from blackbox.store import RunStore, new_run_id, write_traceback
-from blackbox.workload import Shape
+from blackbox.workload import MAX_RESUMES, Shape
 
 __all__ = ["main"]
 
@@ -78,6 +78,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="override the block size read from vllm:cache_config_info")
     p.add_argument("--prompt-blocks", type=int, default=Shape.prompt_blocks, help="turn-1 prompt length in blocks")
     p.add_argument("--answer-blocks", type=int, default=Shape.answer_blocks, help="turn-1 answer length in blocks")
+    p.add_argument(
+        "--resumes",
+        type=int,
+        default=Shape.resumes,
+        help="decode-written boundaries each multi-turn conversation resumes from (default 1, at most "
+        f"{MAX_RESUMES}); the logprob grader scores a conversation by its largest deviation",
+    )
     p.add_argument("--grader", action="append", choices=GRADERS, help="grade with these only (default: auto)")
     p.add_argument("--alpha", type=float, default=Grading.alpha, help="significance level (default 0.01)")
     p.add_argument("--min-trigger-fraction", type=float, default=Grading.min_trigger_fraction)
@@ -174,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | None) -> RunConfig:
-    shape = Shape(prompt_blocks=args.prompt_blocks, answer_blocks=args.answer_blocks)
+    shape = Shape(prompt_blocks=args.prompt_blocks, answer_blocks=args.answer_blocks, resumes=args.resumes)
     grading = Grading(
         alpha=args.alpha,
         min_trigger_fraction=args.min_trigger_fraction,
@@ -212,7 +219,7 @@ def _config(args: argparse.Namespace, urls: dict[str, str | None], model: str | 
 def _check(args: argparse.Namespace) -> None:
     """Flags that RunConfig does not see, checked before any folder is made or server contacted."""
     inputs.check_out_dir(args.out)
-    for flag in ("conversations", "concurrency", "racers", "prompt_blocks", "answer_blocks", "round"):
+    for flag in ("conversations", "concurrency", "racers", "prompt_blocks", "answer_blocks", "resumes", "round"):
         inputs.positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
     inputs.positive("--block-size", args.block_size)
     inputs.positive("--max-num-batched-tokens", args.max_num_batched_tokens)

@@ -9,7 +9,7 @@ from typing import Any
 from blackbox import inputs, secrets
 from blackbox.errors import UsageError
 from blackbox.sequential import Schedule
-from blackbox.workload import Shape
+from blackbox.workload import MAX_RESUMES, Shape
 
 __all__ = ["GRADERS", "PROBES", "Grading", "RaceSettings", "RunConfig"]
 
@@ -118,6 +118,10 @@ class RunConfig:
             "--prompt-blocks must be at least 2 (the probe needs a cached block)",
         )
         _require(self.shape.answer_blocks >= 1, "--answer-blocks must be at least 1")
+        _require(
+            1 <= self.shape.resumes <= MAX_RESUMES,
+            f"--resumes must be between 1 and {MAX_RESUMES} (decode-written boundaries a conversation resumes from)",
+        )
         _check_reliability(self)
         if self.detect is not None:
             _require(0 < self.detect < 1, "--detect must be a fraction of hits between 0 and 1, e.g. 0.2")

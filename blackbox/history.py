@@ -31,6 +31,16 @@ class Kind:
     TURN2_FRESH = "turn2-fresh"  # the same prompt with a fresh cache_salt: no reuse possible
     PROBE = "probe"  # shares only turn 1's prompt: the hit ends in the prefill-written region
     PROBE_FRESH = "probe-fresh"
+    # Extra resumes (`--resumes`): turn 2 on the answer cut j blocks earlier, and its no-reuse twin.
+    RESUME = "resume"
+
+    @staticmethod
+    def resume(j: int) -> str:
+        return f"{Kind.RESUME}{j}"
+
+    @staticmethod
+    def fresh(kind: str) -> str:
+        return f"{kind}-fresh"
 
 
 @dataclass(frozen=True)

@@ -448,7 +448,7 @@ def _replays(folder: RunFolder, scripts: Sequence[Path]) -> str:
 
 def _diff(folder: RunFolder, conv: int, kind: str) -> str:
     h = folder.history
-    twin = _TWIN.get(kind)
+    twin = _TWIN.get(kind) or (Kind.fresh(kind) if kind.startswith(Kind.RESUME) else None)
     if h is None or twin is None:
         return ""
     hit, fresh = h.get(conv, Arm.TREATMENT, kind), h.get(conv, Arm.TREATMENT, twin)

@@ -50,6 +50,10 @@ _MENDED_BY_MORE = frozenset({"InsufficientPower", "NoEvidence"})
 _ROUNDED_KINDS = frozenset({Kind.TURN1, Kind.TURN2, Kind.TURN2_FRESH, Kind.PROBE, Kind.PROBE_FRESH})
 
 
+def _rounded(kind: str) -> bool:
+    return kind in _ROUNDED_KINDS or kind.startswith(Kind.RESUME)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """The planned looks: rounds of `round` conversations, at most `maximum`, alpha spent linearly."""
@@ -136,7 +140,7 @@ def subset(history: History, schedule: Schedule, conversations: int) -> History:
         history,
         plans=tuple(p for p in history.plans if p.index in keep),
         yardstick=tuple(p for p in history.yardstick if p.index in keep),
-        exchanges=tuple(e for e in history.exchanges if e.kind not in _ROUNDED_KINDS or e.conversation in keep),
+        exchanges=tuple(e for e in history.exchanges if not _rounded(e.kind) or e.conversation in keep),
     )
 
 

@@ -17,11 +17,13 @@ from blackbox.history import Plan
 from blackbox.vocabulary import CODE_WORDS, FILLER, NAMES
 
 __all__ = [
+    "MAX_RESUMES",
     "Messages",
     "Shape",
     "fact_document",
     "plan_conversation",
     "question_for",
+    "resume_cut",
     "turn1_body",
     "turn1_messages",
     "turn2_messages",
@@ -30,6 +32,7 @@ __all__ = [
 Messages = tuple[Mapping[str, str], ...]
 TokenCounter = Callable[[Sequence[Mapping[str, str]]], Awaitable[int]]
 
+MAX_RESUMES = 4  # each extra resume lengthens turn 1 by a block and adds two short requests per arm
 _INSTRUCTION = "read the record and remember every code ."
 _TELL = "now write a long story about the record ."
 
@@ -46,15 +49,25 @@ class Shape:
     turn2_max_tokens: int = 32
     probe_max_tokens: int = 24
     top_logprobs: int = 5
+    # Decode-written boundaries each conversation resumes from: turn 2 on the whole answer, and `resumes - 1`
+    # more on the answer cut a block, two blocks, ... earlier (docs/statistics.md, "Several resumes").
+    resumes: int = 1
 
     def turn1_tokens(self, block_size: int) -> int:
-        """Decode past the boundary, then `answer_blocks` whole blocks, then half a block more.
+        """Decode past the boundary, then `answer_blocks` whole blocks (one more per extra resume), then half a
+        block more.
 
         With MTP the lookup drops the last matched block, so a decode-written checkpoint is reachable only if
         a later one is cached too; and a boundary crossed inside an accepted draft gets no checkpoint at all
         (measured: about 60% of decode boundaries are checkpointed on the CPU pair), so turn 1 crosses
         several boundaries past the one the trigger needs."""
-        return self.margin + self.answer_blocks * block_size + block_size // 2
+        return self.margin + (self.answer_blocks + self.resumes - 1) * block_size + block_size // 2
+
+    def resume_cuts(self, block_size: int) -> tuple[int, ...]:
+        """Answer tokens kept by each extra resume: the answer ends half a block past a boundary, and so does each
+        cut, `j` blocks earlier, so each resume's hit lands `j` blocks below turn 2's."""
+        whole = self.turn1_tokens(block_size)
+        return tuple(whole - j * block_size for j in range(1, self.resumes))
 
 
 @dataclass(frozen=True)
@@ -164,6 +177,25 @@ async def _pad(text: str, target: int, rng: random.Random, count: TokenCounter) 
             break
         text = longer
     return text
+
+
+def resume_cut(text: str, tokens: Sequence[str], keep: int) -> str:
+    """The answer's text up to its first `keep` tokens. Token strings are matched along the text in order (a
+    byte-level BPE token carries its own space; a word-level one is found past the separator); where they cannot
+    be followed, the cut falls at the same share of the text. Either way the hit's length is read back from
+    cached_tokens, not assumed."""
+    if keep >= len(tokens):
+        return text
+    pos = 0
+    for token in tokens[:keep]:
+        piece = token.replace("\u2581", " ").replace("\u0120", " ").strip()
+        if not piece:
+            continue
+        at = text.find(piece, pos)
+        if at < 0 or at - pos > len(token) + 2:
+            return text[: round(len(text) * keep / len(tokens))].rstrip()
+        pos = at + len(piece)
+    return text[:pos]
 
 
 def turn1_body(plan: Plan, shape: Shape) -> dict[str, object]:

@@ -154,3 +154,32 @@ def test_single_endpoint_mode_on_the_real_pair(cpu_fleet: Fleet, tmp_path: Path)
     )
     assert code == 0 and verdict["status"] == "PASS", output
     assert "logprob" in verdict["graders_used"]
+
+
+def test_several_resumes_land_on_distinct_decode_written_boundaries(cpu_fleet: Fleet, tmp_path: Path) -> None:
+    # --resumes 3: each conversation resumes turn 1's decode-written blocks at turn 2's boundary and at the
+    # answer cut one and two blocks earlier. The reference (no drafter: every boundary checkpointed) lands each
+    # a block apart; the logprob grader scores conversations by their largest deviation.
+    code, output, run = _run(
+        cpu_fleet,
+        tmp_path,
+        "--reference", cpu_fleet.urls["reference"],
+        "--conversations", "8", "--seed", "13", "--resumes", "3",
+    )  # fmt: skip
+    verdict = json.loads((run / "verdict.json").read_text())
+    assert verdict["status"] == "PASS", output
+    assert code == 0
+    block = json.loads((run / "geometry.json").read_text())["block_size"]
+    rows = [json.loads(line) for line in (run / "exchanges.jsonl").read_text().splitlines()]
+    cached = {(r["conversation"], r["arm"], r["kind"]): r["cached_tokens"] for r in rows}
+    apart = [
+        c
+        for (c, arm, kind), hit in cached.items()
+        if arm == "reference" and kind == "turn2" and hit
+        and cached.get((c, arm, "resume1")) == hit - block and cached.get((c, arm, "resume2")) == hit - 2 * block
+    ]  # fmt: skip
+    assert len(apart) >= 12, (len(apart), block, sorted(cached.items())[:30])  # of 16 reference conversations
+    logprob = {f["check"]: f for f in verdict["findings"]}["logprob"]["figures"]
+    assert logprob["resumes_per_conversation"] == 3, logprob
+    assert logprob["n_subject"] >= 6 and logprob["n_yardstick"] >= 12, logprob
+    assert "each its largest deviation over 3 decode-region resumes" in verdict["reason"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -38,7 +39,7 @@ from blackbox.probes.base import (
 )
 from blackbox.server_info import trigger_hint
 from blackbox.verdict import Finding, Status
-from blackbox.workload import plan_conversation, turn1_body, turn2_body, turn2_messages
+from blackbox.workload import plan_conversation, resume_cut, turn1_body, turn2_body, turn2_messages
 
 __all__ = [
     "EXACTNESS",
@@ -54,6 +55,8 @@ __all__ = [
     "logprob",
     "reaches_decode_region",
     "recall",
+    "resume_kinds",
+    "resume_maxima",
     "samples",
     "trigger",
 ]
@@ -189,6 +192,74 @@ def samples(
     return out
 
 
+def resume_kinds(history: History) -> tuple[str, ...]:
+    """turn 2, then the extra resumes the run sent (`--resumes`), in the order each conversation sent them."""
+    extra = sorted(
+        {e.kind for e in history.exchanges if e.kind.startswith(Kind.RESUME) and not e.kind.endswith("-fresh")},
+        key=lambda k: int(k.removeprefix(Kind.RESUME)),
+    )
+    return (Kind.TURN2, *extra)
+
+
+Resumed = list[tuple[str, float, bool]]  # a conversation's decode-region resumes: (kind, deviation, differs)
+
+
+def _resumed(
+    history: History, arm: str, plan: Plan, kinds: Sequence[str], hard_margin: float, tokens: int | None
+) -> Resumed:
+    """Each decode-region resume of one conversation on `arm`, in the order it was sent."""
+    out: Resumed = []
+    for hit in kinds:
+        a, b = history.get(plan.index, arm, hit), history.get(plan.index, arm, Kind.fresh(hit))
+        if a is None or b is None or not (a.ok and b.ok and a.tokens and b.tokens):
+            continue
+        if in_decode_region(plan, a.cached_tokens or 0):
+            mine, theirs = a.tokens[:tokens], b.tokens[:tokens]
+            out.append((hit, deviation(mine, theirs, hard_margin), mine != theirs))
+    return out
+
+
+@dataclass(frozen=True)
+class Maxima:
+    """Each conversation scored by its largest deviation over its first `per` decode-region resumes.
+
+    `per` is the count at least half the reference's conversations reach; a reference conversation with fewer is
+    left out of the yardstick (its maximum would be over fewer draws, a lower bar), while a treatment conversation
+    with fewer keeps what it has (a maximum over fewer draws is stochastically smaller under a correct engine: a
+    conservative score, so it costs power and never a false alarm). Leaving out by count alone, never by value,
+    keeps the arms exchangeable."""
+
+    treatment: list[Sample]
+    reference: list[Sample]
+    per: int
+    counts: dict[str, dict[int, int]]  # arm -> {decode-region resumes: conversations}
+    left_out: list[int]  # reference conversations with fewer than `per`
+
+
+def resume_maxima(history: History, hard_margin: float, tokens: int | None) -> Maxima:
+    kinds = resume_kinds(history)
+    rows = {
+        arm: {p.index: _resumed(history, arm, p, kinds, hard_margin, tokens) for p in history.plans_of(arm)}
+        for arm in (Arm.TREATMENT, Arm.REFERENCE)
+    }
+    reached = sorted((len(r) for r in rows[Arm.REFERENCE].values() if r), reverse=True)
+    per = reached[(len(reached) - 1) // 2] if reached else len(kinds)
+
+    def scored(unit: int, resumed: Resumed) -> Sample:
+        first = resumed[:per]
+        kind, dev, _ = max(first, key=lambda r: r[1])
+        return Sample(unit, kind, dev, any(r[2] for r in first))
+
+    left_out = [u for u, r in rows[Arm.REFERENCE].items() if 0 < len(r) < per]
+    return Maxima(
+        treatment=[scored(u, r) for u, r in rows[Arm.TREATMENT].items() if r],
+        reference=[scored(u, r) for u, r in rows[Arm.REFERENCE].items() if len(r) >= per],
+        per=per,
+        counts={arm: dict(sorted(Counter(len(r) for r in rows[arm].values()).items())) for arm in rows},
+        left_out=left_out,
+    )
+
+
 @dataclass(frozen=True)
 class _Comparison:
     check: str
@@ -223,6 +294,8 @@ def _versus_reference(history: History, grading: Grading, c: _Comparison, alpha:
             f"cannot measure how far a correct engine's {c.region} hits deviate from recomputation",
         )
     n = compared_positions(history, grading)
+    if c is LOGPROB and len(resume_kinds(history)) > 1:
+        return _maxima_versus_reference(history, grading, n, alpha)
     strata = {
         hit: (
             samples(history, Arm.TREATMENT, [(hit, fresh)], c.where, grading.hard_margin, n),
@@ -256,6 +329,33 @@ def _versus_reference(history: History, grading: Grading, c: _Comparison, alpha:
             for kind, (t, r) in dropped.items()
         )
     return replace(deciding, reason=reason, figures=figures)
+
+
+def _maxima_versus_reference(history: History, grading: Grading, n: int, alpha: float) -> Finding:
+    """Several resumes a conversation (`--resumes`): one sample a conversation, its largest deviation."""
+    m = resume_maxima(history, grading.hard_margin, n)
+    figures = {
+        "compared_positions": n,
+        "resumes_per_conversation": m.per,
+        "decode_region_resumes": m.counts,
+        "yardstick_left_out": m.left_out,
+    }
+    if not (m.treatment and m.reference):
+        why = f"no decode-region resumes to compare (treatment {len(m.treatment)}, reference {len(m.reference)})"
+        return replace(not_used(LOGPROB.check, why), figures=figures)
+    worst = sorted(m.treatment, key=lambda s: -s.deviation)[:5]
+    found = judge_samples(
+        LOGPROB.check,
+        m.treatment,
+        m.reference,
+        alpha=alpha,
+        what=f"treatment conversations (each its largest deviation over {m.per} decode-region resumes)",
+        against="the reference's",
+        assumed=grading.yardstick_assumed,
+        runs=len(history.plans),
+        hint=f"replay conversations {[s.unit for s in worst]} (the largest deviations) from the run folder's replay/",
+    )
+    return replace(found, figures={**found.figures, **figures})
 
 
 def _strata(
@@ -420,7 +520,7 @@ async def _multiturn(
 
     async def one(plan: Plan) -> list[Exchange]:
         nonlocal done
-        out = await _conversation(config, endpoints, plan, salt, record)
+        out = await _conversation(config, endpoints, plan, salt, record, geo.block_size)
         done += 1
         progress(done, len(plans), f"conversation {plan.index} done")
         return out
@@ -441,6 +541,7 @@ async def _conversation(
     plan: Plan,
     salt: str,
     record: Record,
+    block_size: int,
 ) -> list[Exchange]:
     shape, conv = config.shape, plan.index
 
@@ -458,6 +559,13 @@ async def _conversation(
         m2 = turn2_messages(plan, t1.text)
         out = [t1, await ask(arm, Kind.TURN2, turn2_body(m2, shape, salt=salt))]
         out.append(await ask(arm, Kind.TURN2_FRESH, turn2_body(m2, shape, salt=fresh(Kind.TURN2))))
+        # Extra resumes: the answer cut a block, two blocks, ... earlier, so each hit lands on another
+        # decode-written boundary of the same turn 1 (sent after turn 2, whose prefill writes only above them).
+        words = [t.token for t in t1.tokens]
+        for j, keep in enumerate(shape.resume_cuts(block_size), start=1):
+            m = turn2_messages(plan, resume_cut(t1.text, words, keep))
+            out.append(await ask(arm, Kind.resume(j), turn2_body(m, shape, salt=salt)))
+            out.append(await ask(arm, Kind.fresh(Kind.resume(j)), turn2_body(m, shape, salt=fresh(Kind.resume(j)))))
         control = (
             asyncio.create_task(ask(Arm.CONTROL, Kind.TURN2, turn2_body(m2, shape, salt=salt)))
             if arm == Arm.TREATMENT and Arm.CONTROL in endpoints

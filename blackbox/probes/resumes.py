@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from blackbox import errors
 from blackbox.client import gather_bounded
 from blackbox.compare import deviation
-from blackbox.config import Grading
+from blackbox.config import Grading, RunConfig
 from blackbox.evidence import Sample, judge_samples
 from blackbox.history import Arm, Exchange, History, Plan
 from blackbox.probes.base import (
@@ -31,7 +31,7 @@ from blackbox.probes.base import (
     with_positions,
 )
 from blackbox.verdict import Finding
-from blackbox.workload import Messages, plan_conversation, turn1_body, turn2_body
+from blackbox.workload import Messages, Shape, plan_conversation, turn1_body, turn2_body
 
 __all__ = [
     "ANSWER_TOKENS",
@@ -88,10 +88,15 @@ def no_usage(check: str, figures: Mapping[str, Any]) -> Finding:
     )
 
 
+def _shape(config: RunConfig) -> Shape:
+    """The multi-turn probe's layout with one resume: `--resumes` shapes the multi-turn probe alone."""
+    return replace(config.shape, resumes=1)
+
+
 def body(ctx: DriveContext, messages: Messages, **extra: object) -> dict[str, object]:
     """A resume's request: greedy with logprobs, `ANSWER_TOKENS` long (or the positions --compare-tokens asks)."""
     tokens = max(ANSWER_TOKENS, ctx.config.grading.compare_tokens or 0)
-    return {**turn2_body(messages, ctx.config.shape), "max_tokens": tokens, **extra}
+    return {**turn2_body(messages, _shape(ctx.config)), "max_tokens": tokens, **extra}
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,7 @@ async def drive_prefixes(
     plans: list[Plan] = await gather_bounded(
         config.concurrency * 2,
         *(
-            plan_conversation(first + i, config.seed, config.shape, geo.block_size, geo.max_model_len, count)
+            plan_conversation(first + i, config.seed, _shape(config), geo.block_size, geo.max_model_len, count)
             for i in range(total)
         ),
     )
@@ -151,7 +156,7 @@ async def _chain(ctx: DriveContext, arm: str, plan: Plan, turn1_kind: str, stage
     async def ask(kind: str, body: Mapping[str, object], cache_salt: str) -> Exchange:
         return ctx.record(await endpoint.chat({**body, "cache_salt": cache_salt}, conversation=conv, kind=kind))
 
-    a = await ask(turn1_kind, turn1_body(plan, ctx.config.shape), salt)
+    a = await ask(turn1_kind, turn1_body(plan, _shape(ctx.config)), salt)
     if not a.ok:
         return [a]
     sent = [a]
