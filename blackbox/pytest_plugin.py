@@ -34,6 +34,7 @@ from blackbox.errors import BlackboxError
 from blackbox.report import summary
 from blackbox.server_info import ServerInfo, server_info, trigger_hint
 from blackbox.verdict import Status
+from blackbox.workload import Shape
 
 __all__ = ["ENV", "BlackboxOutcome"]
 
@@ -51,6 +52,7 @@ ENV = {
     "detect": "BLACKBOX_DETECT",
     "round": "BLACKBOX_ROUND",
     "max_conversations": "BLACKBOX_MAX_CONVERSATIONS",
+    "resumes": "BLACKBOX_RESUMES",
 }
 _REPLAYS_SHOWN = 3
 _N = TypeVar("_N", int, float)
@@ -87,6 +89,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--blackbox-max-conversations",
         help="the budget with --blackbox-detect, default 160 [BLACKBOX_MAX_CONVERSATIONS]",
+    )
+    group.addoption(
+        "--blackbox-resumes",
+        help="decode-written boundaries each multiturn conversation resumes from, default 1 (as `blackbox run "
+        "--resumes`) [BLACKBOX_RESUMES]",
     )
 
 
@@ -189,6 +196,7 @@ def blackbox_config(request: pytest.FixtureRequest) -> RunConfig:
         )
     conversations, seed = _int(cfg, "conversations"), _int(cfg, "seed")
     round_conversations, budget = _int(cfg, "round"), _int(cfg, "max_conversations")
+    resumes = _int(cfg, "resumes")
     try:
         return RunConfig(
             treatment=treatment,
@@ -202,6 +210,7 @@ def blackbox_config(request: pytest.FixtureRequest) -> RunConfig:
             detect=_number(cfg, "detect", float, "a number"),
             round_conversations=RunConfig.round_conversations if round_conversations is None else round_conversations,
             max_conversations=RunConfig.max_conversations if budget is None else budget,
+            shape=Shape(resumes=Shape.resumes if resumes is None else resumes),
         )
     except BlackboxError as exc:
         raise pytest.UsageError(f"blackbox: {exc}") from exc

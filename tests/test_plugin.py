@@ -212,3 +212,16 @@ def test_a_detect_that_is_not_a_fraction_is_a_usage_error_naming_the_option(tmp_
     code, output = run_pytest(tmp_path, env={**env, "BLACKBOX_DETECT": "1.5"})
     assert code != 0 and "--detect must be a fraction of hits between 0 and 1" in output, output
     assert "skipped" not in output and " passed" not in output
+
+
+def test_resumes_reach_the_run_config_and_a_bad_count_names_the_option(tmp_path: Path) -> None:
+    env = {"BLACKBOX_TREATMENT": DEAD_URL, "BLACKBOX_CONTROL": DEAD_URL, "BLACKBOX_RESUMES": "3"}
+    junit = tmp_path / "junit.xml"
+    code, output = run_pytest(tmp_path, f"--junitxml={junit}", f"--blackbox-out={tmp_path / 'runs'}", env=env)
+    assert code == 1 and "1 error" in output, output
+    (case,) = junit_cases(junit).values()
+    run = Path(properties(case)["blackbox_run_folder"][0])
+    assert json.loads((run / "config.json").read_text())["shape"]["resumes"] == 3
+    code, output = run_pytest(tmp_path, "--blackbox-resumes=9", env=env)
+    assert code != 0 and "--resumes must be between 1 and 4" in output, output
+    assert "skipped" not in output and " passed" not in output
