@@ -137,8 +137,17 @@ _GPU_ARGS: tuple[str, ...] = ()  # --gpu-memory-utilization comes from the place
 # the first spec-decode step (illegal memory access, bench/results/gpu.md); PIECEWISE serves
 # (`-- --no-enforce-eager --compilation-config '{"cudagraph_mode":"PIECEWISE"}'`) but has no verdict yet.
 GPU_TINY_COMPILE_ARGS: tuple[str, ...] = ("--enforce-eager",)
+# One block size on every role. vLLM (0.26 measured) sizes a hybrid model's attention block so that a block's KV
+# page covers one Mamba state, and MTP enlarges that state (its conv state keeps the draft tokens): left to choose,
+# the treatment (MTP) takes 288 and the reference (no MTP) 272, and blackbox's yardstick gate refuses the triple
+# before any traffic (ConfigMismatch "block_size: treatment 288, reference 272"). Given to the reference alone,
+# the gate refuses "mamba_block_size: treatment 16, reference 288" (the API server publishes the value from before
+# the engine aligned it). vLLM raises a block size only when it is below what the state needs, so 288 on every
+# role holds for both (bench/results/gpu-load.md, 2026-12-04 and 2026-12-05).
+GPU_TINY_BLOCK_SIZE = 288
 GPU_TINY_ARGS: tuple[str, ...] = (
     "--dtype", "bfloat16", "--max-model-len", "8192", "--max-num-seqs", "8", *GPU_TINY_COMPILE_ARGS,
+    "--block-size", str(GPU_TINY_BLOCK_SIZE),
 )  # fmt: skip
 
 PROFILES: Mapping[str, Profile] = {

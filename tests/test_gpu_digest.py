@@ -105,3 +105,36 @@ def test_a_folder_without_one_finished_run_gets_no_record(
     assert digest.main(["record", str(tmp_path), "--case", "x", "--seed", "0"]) == 2
     assert "no single finished run" in capsys.readouterr().err
     assert not (tmp_path / "record.json").exists()
+
+
+def test_a_load_record_carries_the_pressure_the_p_values_and_the_fires(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "load-recycled140-s1" / "20261205-081500-s1"
+    run.mkdir(parents=True)
+    trigger = {"prefixes": 32, "decode_region_hits": 20, "needed": 16, "preemptions": 7.0, "evictions": 1200.0,
+               "scheduling": "async scheduling on"}  # fmt: skip
+    findings = [
+        {"check": "load-trigger", "status": "PASS", "reason": "20 of 32 follow-ups resumed", "figures": trigger},
+        {"check": "load", "status": "FAIL", "figures": {"n_subject": 20, "n_yardstick": 44, "p_values": [1e-9]}},
+    ]
+    stored = {"status": "FAIL", "error_class": "CorruptionDetected", "elapsed_s": 250.5, "findings": findings}
+    (run / "verdict.json").write_text(json.dumps(stored))
+    settings = {"async_scheduling": "True", "block_size": "288", "num_gpu_blocks_override": "140", "other": "x"}
+    (run / "servers.json").write_text(json.dumps({"treatment": {"version": "0.26.0", "settings": settings}}))
+    monkeypatch.setattr(digest, "rejudge", lambda folder: (_ for _ in ()).throw(RuntimeError("no exchanges")))
+
+    assert digest.main(["load", str(run.parent), "--case", "recycled-block load", "--seed", "1",
+                        "--fault", "recycled-block", "--before", "28,0", "--after", "61,2"]) == 0  # fmt: skip
+    rec = json.loads((run.parent / "record.json").read_text())
+    assert (rec["status"], rec["error_class"], rec["wall_s"]) == ("FAIL", "CorruptionDetected", 250.5)
+    assert rec["probe"] == "load"
+    assert (rec["trigger"]["preemptions"], rec["trigger"]["evictions"]) == (7.0, 1200.0)
+    assert rec["trigger"]["status"] == "PASS"
+    assert rec["load"] == {"status": "FAIL", "n_subject": 20, "n_yardstick": 44, "p_values": [1e-9]}
+    assert rec["treatment_settings"]["num_gpu_blocks_override"] == "140"
+    assert "other" not in rec["treatment_settings"]
+    assert (rec["fired"], rec["skipped"]) == (33, 2)
+    assert rec["rejudge_error"] == "RuntimeError: no exchanges"  # the stored verdict stands
+    printed = json.loads(capsys.readouterr().out)  # the line plan.sh's `load` step shows
+    assert printed["load"]["p_values"] == [1e-9] and printed["trigger"]["preemptions"] == 7.0

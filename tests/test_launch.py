@@ -309,7 +309,12 @@ def test_gpu_tiny_builds_the_gpu_variant_and_serves_it_as_tiny(tmp_path: Path, m
         assert spec.device == "cuda"
         assert flag(spec.args, "--max-model-len") == "8192"
         assert "--enforce-eager" in spec.args  # vLLM 0.26's FULL CUDA graphs die with MTP (bench/results/gpu.md)
+        # One block size on every role: left to choose, vLLM 0.26 gives the MTP treatment 288 and the reference
+        # 272, and the yardstick gate refuses the triple (bench/results/gpu-load.md).
+        assert flag(spec.args, "--block-size") == "288"
+        assert spec.args.count("--block-size") == 1
         assert "BLACKBOX_VLLM_PLUGINS" not in spec.env
+    assert {spec.role for spec in specs} == set(ROLES)
 
 
 def test_nemotron_preset_takes_disjoint_gpu_sets_in_order(tmp_path: Path) -> None:

@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     rec = make(run, args.case, args.seed, args.fault, args.before, args.after)
     (run.parent / "record.json").write_text(json.dumps(rec, sort_keys=True) + "\n")
     keys: tuple[str, ...] = ("case", "seed", "status", "caught_by", "needed", "fired", "skipped")
-    if args.command == "load":
-        keys += ("error_class", "wall_s", "trigger")
+    if args.command == "load":  # the pressure (preemptions, evictions, hits) and the load grader's p-values
+        keys += ("error_class", "wall_s", "trigger", "load", "rejudged_status", "rejudge_error")
     print(json.dumps({k: rec.get(k) for k in keys}))
     return 0
 

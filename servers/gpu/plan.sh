@@ -343,14 +343,12 @@ v4() { # SPECS
 # request needs ~65 blocks, so vLLM admits the max_model_len. Each triple: NAME:FAULT:PORT:BLOCKS:SEED0 (FAULT "-":
 # a clean treatment), treatment at PORT, control PORT+1, reference PORT+2; LOAD_SEEDS runs a triple, one after
 # another, while LOAD_ROOM seconds (default 240: a run took 205-211 s with two triples side by side, eager) are
-# left for one more (LOAD_CONV conversations, default 32); e.g. add
-# load-clean140:-:8530:140:0 to see whether fewer blocks preempt (on the CPU pair 120 preempted and starved).
-# Every role also gets --block-size LOAD_BLOCK_SIZE (288, what the treatment picks by itself): vLLM 0.26 sizes a
-# hybrid block from the Mamba state, which MTP enlarges, so a reference left to choose takes 272 and blackbox's
-# yardstick gate refuses the triple before any traffic (ConfigMismatch "block_size: treatment 288, reference 272";
-# given only to the reference, "mamba_block_size: treatment 16, reference 288", as the API server publishes the
-# value it had before the engine aligned it; with the flag on every role all publish 288).
-LOAD_BLOCK_SIZE=${LOAD_BLOCK_SIZE:-288}
+# left for one more (LOAD_CONV conversations, default 32), or its last run's time plus 30 s if more; e.g. add
+# load-clean140:-:8530:140:0 to see whether fewer blocks preempt (on the CPU pair 120 preempted and starved; ninth
+# sitting, 2026-12-05: 140 and 125 still preempted nothing on the GPU model). Every role's --block-size 288 now
+# comes from the gpu-tiny preset (servers/profiles.py GPU_TINY_BLOCK_SIZE; the eighth sitting passed it here): left
+# to choose, vLLM 0.26 gives the reference (no MTP) 272 and blackbox's yardstick gate refuses the triple
+# (ConfigMismatch).
 LOAD_SPECS=${LOAD_SPECS:-"load-clean:-:8510:170:0 load-recycled:recycled-block:8520:170:0"}
 LOAD_METRICS=(--kv-cache-metrics --kv-cache-metrics-sample 1.0)
 
@@ -358,7 +356,7 @@ start_load() { # SPECS
     local name fault port blocks seed0
     for spec in $1; do
         IFS=: read -r name fault port blocks seed0 <<<"$spec"
-        local kv=("${KV[@]}" --num-gpu-blocks-override "$blocks" "${LOAD_METRICS[@]}" --block-size "$LOAD_BLOCK_SIZE")
+        local kv=("${KV[@]}" --num-gpu-blocks-override "$blocks" "${LOAD_METRICS[@]}")
         if [ "$fault" = - ]; then
             $D serve "f-$name" treatment "$port" -- "${kv[@]}"
         else
@@ -370,15 +368,19 @@ start_load() { # SPECS
 }
 
 series_load() { # NAME FAULT PORT SEED0
-    local name=$1 fault=$2 t=$3 seed0=$4 n=0 seed before after case=clean
+    local name=$1 fault=$2 t=$3 seed0=$4 n=0 seed before after case=clean room=${LOAD_ROOM:-240} took
     local log=$W/logs/f-$1/treatment.log
     [ "$fault" != - ] && case="$fault"
-    while ((n < ${LOAD_SEEDS:-4})) && (($(left) > ${LOAD_ROOM:-240})) && healthy "$t"; do
+    while ((n < ${LOAD_SEEDS:-4})) && (($(left) > room)) && healthy "$t"; do
         seed=$((seed0 + n))
         n=$((n + 1))
         : >"$W/logs/digest-$name-s$seed.out" # `send` holds the run back until its record.json
         before=$(digest counts "$log" "$fault")
+        took=$(date +%s)
         CONV=${LOAD_CONV:-32} bb_triple "$name-s$seed" "$t" $((t + 1)) $((t + 2)) "$seed" --probe load
+        took=$(($(date +%s) - took))
+        # Smaller caches or more triples side by side make a run longer: the next needs what this one took.
+        ((took + 30 > room)) && room=$((took + 30))
         after=$(digest counts "$log" "$fault")
         [ -e "$W/runs/$name-s$seed" ] && digest load "$W/runs/$name-s$seed" --case "$case load" --seed "$seed" \
             --fault "$fault" --before "$before" --after "$after" >"$W/logs/digest-$name-s$seed.out" 2>&1
@@ -386,7 +388,7 @@ series_load() { # NAME FAULT PORT SEED0
 }
 
 load_step() { # SPECS
-    local name fault port blocks seed0 ports=() f
+    local name fault port blocks seed0 ports=() f i role prefix
     rm -f "$W/load-done"
     for spec in $1; do
         IFS=: read -r name fault port blocks seed0 <<<"$spec"
@@ -402,6 +404,15 @@ load_step() { # SPECS
     for f in "$W"/logs/f-load-*/treatment.log; do
         echo "$f: $(grep -c 'BLACKBOX_FAULT fired' "$f") fired, $(grep -c 'BLACKBOX_FAULT skipped' "$f") skipped;" \
             "$(grep -m1 -o 'Asynchronous scheduling is [a-z]*' "$f")"
+    done
+    for spec in $1; do # a server that died under load: the end of its log is the finding
+        IFS=: read -r name fault port blocks seed0 <<<"$spec"
+        for f in 0:treatment:f 1:control:c 2:reference:r; do
+            IFS=: read -r i role prefix <<<"$f"
+            healthy $((port + i)) && continue
+            echo "== $name $role (port $((port + i))) not healthy at the end:"
+            tail -n 30 "$W/logs/$prefix-$name/$role.log" 2>/dev/null
+        done
     done
     cat "$W"/logs/digest-load-*.out 2>/dev/null
     touch "$W/load-done"
