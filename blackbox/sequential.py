@@ -105,11 +105,14 @@ class Look:
 
 def coverage(verdict: Verdict) -> float | None:
     """The smallest fraction of the trigger's hits a PASS could have caught corruption in (with probability
-    `evidence.POWER`), over the graders that judged those hits; None where the verdict is no PASS or none says."""
+    `evidence.POWER`), over the graders that judged those hits; None where the verdict is no PASS or none says.
+    A grader that scored conversations by their largest over several resumes (`--resumes`) states the fraction of
+    resumes its conversation fraction covers where boundaries fail independently; that is the one used, and the
+    PASS names the assumption."""
     if verdict.status is not Status.PASS:
         return None
     fractions = [
-        f.figures.get("detectable_fraction")
+        f.figures.get("detectable_fraction_of_resumes", f.figures.get("detectable_fraction"))
         for f in verdict.findings
         if f.stage == "grader" and f.covers_trigger and f.status is Status.PASS
     ]
@@ -206,11 +209,13 @@ def _more(verdict: Verdict, detect: float, last: Look) -> int | None:
         if not (f.stage == "grader" and f.covers_trigger and fig.get("n_subject") and fig.get("alpha_per_test")):
             continue
         n_s, n_y = int(fig["n_subject"]), int(fig["n_yardstick"])
+        # Over several resumes a conversation the grader's units are conversations (see `coverage`).
+        per = int(fig.get("resumes_per_conversation") or 1)
         need = stats.conversations_needed(
             last.conversations,
             n_s,
             float(fig["alpha_per_test"]),
-            detect,
+            stats.either_fraction(detect, per),
             0.95,
             ratio=n_y / n_s,
             ranks=int(fig.get("exceedance_ranks", 1)),

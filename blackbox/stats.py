@@ -24,6 +24,8 @@ __all__ = [
     "TestResult",
     "conversations_needed",
     "detectable_fraction",
+    "each_fraction",
+    "either_fraction",
     "exceedance",
     "exceedance_at",
     "exceedance_critical",
@@ -218,6 +220,17 @@ def detectable_fraction(n: int, critical: int | None, power: float = 0.95) -> fl
     # P(Bin(n, q) >= c) is the regularised incomplete beta I_q(c, n - c + 1), increasing in q: the fraction is its
     # quantile at `power` (the identity behind the Clopper-Pearson interval), one scipy call instead of a search.
     return float(sp.beta.ppf(power, critical, n - critical + 1))
+
+
+def either_fraction(each: float, draws: int) -> float:
+    """The fraction of units with at least one of `draws` independent draws corrupted, each with probability
+    `each`: 1 - (1 - each)^draws."""
+    return 1.0 - (1.0 - each) ** draws
+
+
+def each_fraction(either: float, draws: int) -> float:
+    """The inverse of `either_fraction`: the per-draw fraction that corrupts `either` of the units."""
+    return 1.0 - (1.0 - either) ** (1.0 / draws)
 
 
 def conversations_needed(

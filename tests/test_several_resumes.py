@@ -14,7 +14,7 @@ from blackbox.config import RunConfig
 from blackbox.errors import UsageError
 from blackbox.history import Arm, Exchange, History, Kind
 from blackbox.probes import multiturn
-from blackbox.verdict import Status
+from blackbox.verdict import Finding, Status, Verdict, merge
 from blackbox.workload import MAX_RESUMES, Shape, resume_cut
 
 import histories as h
@@ -122,6 +122,40 @@ def test_a_clean_run_with_several_resumes_passes_and_states_its_power_in_convers
     assert finding.status is Status.PASS, finding.reason
     assert "of treatment conversations (each its largest deviation over 3 decode-region resumes)" in finding.reason
     assert finding.figures["decode_region_resumes"] == {Arm.TREATMENT: {3: 12}, Arm.REFERENCE: {3: 24}}
+
+
+def _graded(finding: Finding) -> Verdict:
+    return merge([dataclasses.replace(finding, stage="grader", covers_trigger=True)])
+
+
+def test_a_pass_over_maxima_states_the_fraction_of_resumes_it_covers_where_boundaries_fail_independently() -> None:
+    maxima = graders.logprob(_history(_clean(24), _clean(48, base=100)), GRADING)
+    q = maxima.figures["detectable_fraction"]
+    each = maxima.figures["detectable_fraction_of_resumes"]
+    # independently at `each` per boundary, a conversation of 3 is hit with 1 - (1 - each)^3 = q
+    assert 0 < each < q < 1 and 1 - (1 - each) ** 3 == pytest.approx(q)
+    assert f"that is corruption in >= {each:.0%} of decode-region resumes (3 a conversation)" in maxima.reason
+    assert "where they fail together only the conversation fraction holds" in maxima.reason
+    # --detect (a fraction of hits) reads the per-resume figure; a one-resume run has only its hit fraction
+    assert sequential.coverage(_graded(maxima)) == each
+    alone = graders.logprob(_turn2_only(_history(_clean(24), _clean(48, base=100))), GRADING)
+    assert "detectable_fraction_of_resumes" not in alone.figures
+    assert sequential.coverage(_graded(alone)) == alone.figures["detectable_fraction"]
+
+
+def test_a_budget_short_of_detect_plans_conversations_for_the_conversation_fraction_it_implies() -> None:
+    # --detect 0.1 over maxima of 3 asks for 1 - 0.9^3 = 27% of conversations, not 10%: far fewer conversations.
+    maxima = _graded(graders.logprob(_history(_clean(24), _clean(48, base=100)), GRADING))
+    one = dataclasses.replace(
+        maxima,
+        findings=tuple(
+            dataclasses.replace(f, figures={**f.figures, "resumes_per_conversation": 1}) for f in maxima.findings
+        ),
+    )
+    last = sequential.Look(1, 24, ALPHA, Status.PASS, None, None, stop=False)
+    over_three, over_one = sequential._more(maxima, 0.1, last), sequential._more(one, 0.1, last)
+    assert over_three is not None and over_one is not None
+    assert over_three < over_one / 2
 
 
 def test_reference_conversations_with_fewer_resumes_leave_the_yardstick_treatment_ones_stay() -> None:

@@ -355,7 +355,23 @@ def _maxima_versus_reference(history: History, grading: Grading, n: int, alpha: 
         runs=len(history.plans),
         hint=f"replay conversations {[s.unit for s in worst]} (the largest deviations) from the run folder's replay/",
     )
-    return replace(found, figures={**found.figures, **figures})
+    return _per_resume(replace(found, figures={**found.figures, **figures}), m.per)
+
+
+def _per_resume(found: Finding, per: int) -> Finding:
+    """A PASS over conversation maxima speaks of conversations. Where boundaries fail independently (a poisoned
+    block, a checkpoint written inside an accepted draft), the same power covers a smaller fraction of resumes; say
+    both, under that assumption, so that `--detect` (a fraction of hits) can use it. Corruption that strikes every
+    boundary of a conversation together is covered only at the conversation fraction."""
+    q = found.figures.get("detectable_fraction")
+    if found.status is not Status.PASS or q is None or per < 2:
+        return found
+    p = stats.each_fraction(float(q), per)
+    reason = (
+        f"{found.reason}; where each boundary fails on its own, that is corruption in >= {p:.0%} of decode-region "
+        f"resumes ({per} a conversation), where they fail together only the conversation fraction holds"
+    )
+    return replace(found, reason=reason, figures={**found.figures, "detectable_fraction_of_resumes": p})
 
 
 def _strata(
