@@ -1,6 +1,6 @@
 """Conversations a run with --detect needs to a FAIL and to a PASS, on the CPU pair, against the fixed lengths.
 
-    python bench/sequential.py --cases 'clean,eagle-overrun' --detect 0.34,0.2 --seeds 2 [--round 16]
+    python bench/sequential.py --cases 'clean,eagle-overrun' --detect 0.34,0.2 --seeds 2 [--round 8]
         [--max-conversations 160] [--keep-runs runs/bench-seq] [--budget-min M]
 
 For each fault case of bench/faults.py named (its servers, its fault and sporadic rate) and each --detect, runs
@@ -115,8 +115,8 @@ def main() -> int:
     parser.add_argument("--detect", default="0.34,0.2", help="fractions, comma-separated")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--seed-start", type=int, default=100)
-    parser.add_argument("--round", type=int, default=16)
-    parser.add_argument("--max-conversations", type=int, default=160)
+    parser.add_argument("--round", type=int, default=faults.RunConfig.round_conversations)
+    parser.add_argument("--max-conversations", type=int, default=faults.RunConfig.max_conversations)
     parser.add_argument("--conversations", type=int, default=32, help="(the case's other probes' length)")
     parser.add_argument("--race-rounds", type=int, default=faults.RaceSettings.rounds_per_size)
     parser.add_argument("--reference-ratio", type=int, default=faults.RunConfig.reference_ratio)

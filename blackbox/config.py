@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from blackbox import inputs, secrets
 from blackbox.errors import UsageError
-from blackbox.sequential import Schedule
+from blackbox.sequential import Schedule, planned_look
 from blackbox.workload import MAX_RESUMES, Shape
 
 __all__ = ["GRADERS", "PROBES", "Grading", "RaceSettings", "RunConfig"]
@@ -87,7 +87,7 @@ class RunConfig:
     # `conversations`; else the fraction of decode-region hits a PASS must be able to see corrupted, with rounds
     # of `round_conversations` up to `max_conversations`.
     detect: float | None = None
-    round_conversations: int = 16
+    round_conversations: int = 8
     max_conversations: int = 160
 
     def __post_init__(self) -> None:
@@ -137,7 +137,10 @@ class RunConfig:
         """The planned looks of a run with --detect; None for a fixed-length run."""
         if self.detect is None:
             return None
-        return Schedule(self.round_conversations, self.max_conversations, self.grading.alpha, self.reference_ratio)
+        base = Schedule(self.round_conversations, self.max_conversations, self.grading.alpha, self.reference_ratio)
+        graders = len(self.grading.graders) or None
+        planned = planned_look(self.detect, self.shape.resumes, base, *((graders,) if graders else ()))
+        return replace(base, planned=planned)
 
     @property
     def yardstick_base(self) -> int:

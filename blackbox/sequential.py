@@ -1,10 +1,13 @@
 """A run that stops when the answer is known (`--detect Q`): multiturn conversations in rounds, a look after each.
 
 The design is fixed before the first request: rounds of R conversations, at most M, so looks at n_k = k*R
-(k = 1..K, K = ceil(M / R), the last one at M). Look k judges everything sent so far with the run's whole
-verdict rule (gates, then every grader) at alpha_k = alpha * (n_k - n_{k-1}) / M: a linear alpha-spending
-function of the information fraction (Lan & DeMets 1983, the Pocock-type boundary). The run stops at the first
-look whose verdict is
+(k = 1..K, K = ceil(M / R), the last one at M), and a planned look j: the first at which a correct engine's run
+is expected to PASS covering Q (`planned_look`, from Q, `--resumes` and the graders' count, one decode-region
+unit a conversation). Look k judges everything sent so far with the run's whole verdict rule (gates, then every
+grader) at alpha_k, a share of alpha fixed by an alpha-spending function of the conversations sent (Lan & DeMets
+1983): `PLAN_SHARE` of alpha spent linearly over looks 1..j, the rest linearly over the looks after j (no plan:
+linear over all K, the Pocock-type boundary). Most runs stop at or before j (a PASS there, or a FAIL on a dense
+fault earlier), so that is where the level is spent. The run stops at the first look whose verdict is
 
 - FAIL: corruption, established at that look's level;
 - PASS with coverage: every gate passed and a grader judging the trigger's hits could have seen corruption in at
@@ -16,7 +19,9 @@ Anything else (a PASS that cannot yet promise Q, a grader still short of power) 
 
 Why this is valid whatever made the run stop: a correct engine reads FAIL at look k with probability at most
 alpha_k (each look's rule is the fixed-length rule at that level), so at any look at most sum alpha_k = alpha
-(the union bound, Bonferroni over planned looks). The bound needs nothing about how the looks depend on each
+(the union bound, Bonferroni over planned looks). The plan is a function of the configuration alone, so it is
+fixed before any data: a wrong plan costs power (a run that misses look j tests at the smaller shares after it),
+never level. The bound needs nothing about how the looks depend on each
 other, which matters here: the graders' tests are exact rank, hypergeometric and binomial tests whose statistics
 over successive looks have no normal joint law to compute a tighter boundary from (Jennison & Turnbull, ch. 7, do
 that for normal statistics). It is conservative, and the price is the per-look level alpha/K rather than alpha;
@@ -36,14 +41,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from blackbox import errors, stats
+from blackbox import errors, evidence, stats
 from blackbox.history import History, Kind
 from blackbox.verdict import Finding, Status, Verdict, merge
 
-__all__ = ["Look", "Schedule", "coverage", "judge", "look", "stops", "subset"]
+__all__ = ["Look", "Schedule", "coverage", "judge", "look", "planned_look", "stops", "subset"]
 
 # What one judgement of a history at a level returns: its verdict, and the grades that go with it.
 Judge = Callable[[History, float], tuple[Verdict, Any]]
+
+# The share of alpha spent by the planned look. A run that goes past it (a yield below one unit a conversation, or
+# a fault that shows but not yet enough) is judged at the rest, spread over up to M.
+PLAN_SHARE = 0.8
+# Graders a run judges with when none is named (exactness and logprob), each with three tests: the plan's split.
+_AUTO_GRADERS, _TESTS_PER_GRADER = 2, 3
 
 _MENDED_BY_MORE = frozenset({"InsufficientPower", "NoEvidence"})
 # Requests of the multiturn probe, which alone is driven in rounds; other probes' records stay in every look.
@@ -56,12 +67,15 @@ def _rounded(kind: str) -> bool:
 
 @dataclass(frozen=True)
 class Schedule:
-    """The planned looks: rounds of `round` conversations, at most `maximum`, alpha spent linearly."""
+    """The planned looks: rounds of `round` conversations, at most `maximum`; `share` of alpha spent linearly up to
+    look `planned` (1-based; 0: no plan, alpha spent linearly over all looks), the rest linearly after it."""
 
     round: int
     maximum: int
     alpha: float
     ratio: int = 1  # the reference's conversations per treatment conversation
+    planned: int = 0
+    share: float = PLAN_SHARE
 
     @property
     def looks(self) -> tuple[int, ...]:
@@ -71,7 +85,21 @@ class Schedule:
     def level(self, k: int) -> float:
         """alpha_k of look k (1-based): the share of alpha its round's conversations add."""
         looks = (0, *self.looks)
-        return self.alpha * (looks[k] - looks[k - 1]) / self.maximum
+        added = looks[k] - looks[k - 1]
+        j = self.planned
+        if not 0 < j < len(self.looks):
+            return self.alpha * added / self.maximum
+        if k <= j:
+            return self.share * self.alpha * added / looks[j]
+        return (1 - self.share) * self.alpha * added / (self.maximum - looks[j])
+
+    def describe(self) -> str:
+        if not 0 < self.planned < len(self.looks):
+            return f"alpha {self.alpha:g} spent linearly over the looks"
+        return (
+            f"alpha {self.alpha:g}: {self.share:.0%} spent by look {self.planned}, where a PASS was planned, "
+            "the rest over the looks after it"
+        )
 
     def yardstick_range(self, start: int, stop: int) -> range:
         """Indices of the reference's extra conversations that go with treatment conversations [start, stop):
@@ -79,6 +107,30 @@ class Schedule:
         length."""
         extra = self.ratio - 1
         return range(self.maximum + extra * start, self.maximum + extra * stop)
+
+
+def planned_look(
+    detect: float,
+    resumes: int,
+    schedule: Schedule,
+    graders: int = _AUTO_GRADERS,
+    share: float = PLAN_SHARE,
+) -> int:
+    """The first look at which a correct engine's run is expected to PASS covering `detect` of decode-region hits,
+    were `share` of alpha spent by it: at one unit a conversation (a conversation's largest deviation over its
+    `resumes`, which must cover the conversation fraction `either_fraction(detect, resumes)`), a yardstick `ratio`
+    times as large, and the look's level split over `graders` of three tests, as `evidence` does. 0 where no look
+    is (alpha is then spent linearly). A planning figure only: it decides how alpha is spread, never a verdict."""
+    looks = schedule.looks
+    target = stats.either_fraction(detect, resumes)
+    per_test = share * schedule.alpha / (graders * _TESTS_PER_GRADER)
+    for j, n in enumerate(looks[:-1], 1):
+        level = per_test * (n - (looks[j - 2] if j > 1 else 0)) / n
+        critical = stats.exceedance_critical(n, schedule.ratio * n, level, ranks=evidence.RANKS)
+        q = stats.detectable_fraction(n, critical, evidence.POWER)
+        if q is not None and q <= target:
+            return j
+    return 0
 
 
 @dataclass(frozen=True)
@@ -175,6 +227,8 @@ def _final(verdict: Verdict, looks: Sequence[Look], schedule: Schedule, detect: 
         "round": schedule.round,
         "max_conversations": schedule.maximum,
         "planned_looks": len(schedule.looks),
+        "planned_pass_look": schedule.planned or None,
+        "plan_share": schedule.share if schedule.planned else None,
         "alpha": schedule.alpha,
         "looks": [x.to_json() for x in looks],
         "stopped_at_look": last.index,
@@ -182,7 +236,7 @@ def _final(verdict: Verdict, looks: Sequence[Look], schedule: Schedule, detect: 
     }
     where = (
         f"look {last.index} of {len(schedule.looks)} planned, after {last.conversations} conversations, judged at "
-        f"alpha {last.alpha:.3g} (alpha {schedule.alpha:g} spent linearly over the looks)"
+        f"alpha {last.alpha:.3g} ({schedule.describe()})"
     )
     if last.stop:
         gate = Finding.passed("sequential", f"stopped at {where}", **figures)

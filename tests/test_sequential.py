@@ -72,6 +72,38 @@ def test_the_schedule_spends_alpha_over_its_looks_and_no_more() -> None:
     assert list(sequential.Schedule(16, 64, 0.01, ratio=3).yardstick_range(16, 32)) == list(range(96, 128))
 
 
+def test_a_plan_spends_most_of_alpha_by_the_look_where_a_correct_engine_is_expected_to_pass() -> None:
+    # Rounds of 8 up to 160: 20 looks. --detect 0.2 over 3 resumes is a conversation fraction of 49%, which 24
+    # conversations against 48 reference ones can promise at 80% of alpha over three looks (0.00267 each, split over
+    # two graders' three tests: critical count 8, 95% power at 48%); 16 cannot at any level (critical 7 of 16).
+    base = sequential.Schedule(8, 160, 0.01, ratio=2)
+    assert sequential.planned_look(0.2, 3, base) == 3
+    plan = dataclasses.replace(base, planned=3)
+    levels = [plan.level(k) for k in range(1, len(plan.looks) + 1)]
+    assert math.isclose(sum(levels), 0.01) and math.isclose(sum(levels[:3]), 0.8 * 0.01)
+    assert levels[0] == levels[2] > 20 * levels[3]  # 0.00267 by the plan, 0.000118 a look after it
+    assert "80% spent by look 3" in plan.describe()
+    # Fewer resumes need more conversations for the same fraction of hits; what no look can promise is no plan.
+    assert sequential.planned_look(0.2, 1, base) == 9 and sequential.planned_look(0.01, 1, base) == 0
+    assert dataclasses.replace(base, planned=0).level(1) == 0.01 * 8 / 160
+    # The configuration plans it: the graders named split the level further.
+    assert RunConfig(treatment="http://127.0.0.1:1", detect=0.2).schedule == dataclasses.replace(
+        base, ratio=RunConfig.reference_ratio, planned=sequential.planned_look(0.2, 1, base)
+    )
+
+
+def test_a_clean_run_that_reaches_the_planned_look_passes_there_at_the_planned_level() -> None:
+    clean = history(rf.noise(MAX))
+    detect = 0.45  # one resume a conversation: promised at 32 conversations (look 2), not at 16
+    plan = config(detect).schedule
+    assert plan is not None and plan.planned == 2
+    verdict, _ = judge(clean, config(detect), rf.ROLES)
+    seq = sequential_finding(verdict)
+    assert verdict.status is Status.PASS and seq.figures["stopped_at_look"] == 2
+    assert seq.figures["planned_pass_look"] == 2 and math.isclose(seq.figures["looks"][1]["alpha"], 0.8 * 0.01 / 2)
+    assert "80% spent by look 2, where a PASS was planned" in verdict.reason
+
+
 def test_a_dense_fault_fails_at_the_first_look() -> None:
     verdict, _ = judge(history([0.9] * MAX), config(0.2), rf.ROLES)
     assert (verdict.status, verdict.exit_code, verdict.error_class) == (Status.FAIL, 1, "CorruptionDetected")
@@ -193,6 +225,10 @@ def test_the_sequential_rule_keeps_its_false_alarm_rate_where_looking_at_full_al
     schedule = sequential.Schedule(16, 96, ALPHA, ratio=2)
     levels = [schedule.level(k) for k in range(1, len(schedule.looks) + 1)]
     spent = float(_false_alarms(levels, schedule.looks, np.random.default_rng(24)).any(axis=1).mean())
+    # A plan puts 80% of alpha on the first two looks; the union bound holds it to alpha all the same.
+    plan = dataclasses.replace(schedule, planned=2)
+    planned = [plan.level(k) for k in range(1, len(plan.looks) + 1)]
+    by_plan = float(_false_alarms(planned, plan.looks, np.random.default_rng(25), 1.0).any(axis=1).mean())
     # The graders' 1.25x margin makes each look conservative under this null, which would hide what optional
     # stopping does; the same tests at their exact level (margin 1) show it, and the looks' shares hold them too.
     exact = float(_false_alarms(levels, schedule.looks, np.random.default_rng(24), 1.0).any(axis=1).mean())
@@ -200,11 +236,11 @@ def test_the_sequential_rule_keeps_its_false_alarm_rate_where_looking_at_full_al
     naive, fixed = float(each.any(axis=1).mean()), float(each[:, -1].mean())
     print(
         f"false alarms: {spent:.4f} spent over the looks ({exact:.4f} at the exact level); at the whole alpha: "
-        f"{naive:.4f} over them, {fixed:.4f} once"
+        f"{naive:.4f} over them, {fixed:.4f} once; {by_plan:.4f} with 80% spent by look 2 (exact level)"
     )
-    # Measured: 0.0003 spent over 6 looks (0.0028 at the exact level); 0.0121 looking at the whole alpha each
-    # time, 0.0032 for one look at it.
-    assert spent <= ALPHA + SLACK and exact <= ALPHA + SLACK
+    # Measured (2026-12-05): 0.0003 spent over 6 looks (0.0050 at the exact level), 0.0050 with 80% spent by look
+    # 2; 0.0229 looking at the whole alpha each time, 0.0067 for one look at it.
+    assert spent <= ALPHA + SLACK and exact <= ALPHA + SLACK and by_plan <= ALPHA + SLACK
     # The simulation sees what optional stopping does: looking six times at a fixed level fails far more often
     # than looking once; the looks' shares are what keeps the rate under alpha.
     assert naive > 2 * fixed + SLACK
