@@ -67,6 +67,7 @@ def one(case: faults.Case, fleet: Any, seed: int, detect: float, args: argparse.
         "status": verdict.status.value,
         "error_class": verdict.error_class,
         "stopped_at_look": seq.get("stopped_at_look"),
+        "planned_pass_look": seq.get("planned_pass_look"),
         "conversations": seq.get("conversations"),
         "coverage": (seq.get("looks") or [{}])[-1].get("coverage"),
         "fixed_for_20pct": logprob.get("conversations_for_20pct"),
@@ -78,21 +79,24 @@ def one(case: faults.Case, fleet: Any, seed: int, detect: float, args: argparse.
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    groups: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
+    # Runs before 2026-12-05 spent alpha linearly over rounds of 16 (no plan): rows of their own.
+    groups: dict[tuple[str, float, int, int], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        groups[(r["case"], r["detect"])].append(r)
+        groups[(r["case"], r["detect"], r["round"], r.get("planned_pass_look") or 0)].append(r)
     out = [
         "# Runs that stop when the answer is known (`--detect`), CPU pair\n",
         "Rebuilt by `bench/sequential.py` from `sequential.jsonl` (each line has its command, date and commit). "
         "*Conversations*: treatment conversations sent before the run stopped (the reference ran twice as many). "
         "*Fixed needs*: what the last look's PASS sentence says a run would need for 20% and 10% at that look's "
         "level. For comparison, a fixed-length run of 32 conversations (reference 2x) covers about 34% at the whole "
-        "alpha (`bench/results/faults.md`, clean rows).\n",
-        "| case | --detect | runs | FAIL | PASS | UNKNOWN/ERROR | conversations (mean, range) | looks | "
-        "fixed needs 20% / 10% | wall (mean) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "alpha (`bench/results/faults.md`, clean rows). *Round, plan*: conversations a round, and the look by which "
+        "80% of alpha is spent (`linear`: alpha spread evenly over the looks, the design before 2026-12-05). "
+        "*Fired*: times the fault fired in each run.\n",
+        "| case | --detect | round, plan | runs | FAIL | PASS | UNKNOWN/ERROR | conversations (mean, range) | looks | "
+        "fixed needs 20% / 10% | fired | wall (mean) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (case, detect), rs in sorted(groups.items()):
+    for (case, detect, round_, plan), rs in sorted(groups.items()):
         n = [r["conversations"] for r in rs if r["conversations"] is not None]
         looks = [r["stopped_at_look"] for r in rs if r["stopped_at_look"] is not None]
         fixed20 = [r["fixed_for_20pct"] for r in rs if r.get("fixed_for_20pct")]
@@ -100,10 +104,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         count = {s: sum(r["status"] == s for r in rs) for s in ("FAIL", "PASS")}
         other = len(rs) - sum(count.values())
         out.append(
-            f"| {case} | {detect:g} | {len(rs)} | {count['FAIL']} | {count['PASS']} | {other} | "
+            f"| {case} | {detect:g} | {round_}, {f'look {plan}' if plan else 'linear'} | {len(rs)} | {count['FAIL']} | "
+            f"{count['PASS']} | {other} | "
             + (f"{statistics.mean(n):.1f} ({min(n)}-{max(n)})" if n else "-")
             + f" | {', '.join(map(str, looks)) or '-'} | "
             + (f"{max(fixed20)} / {max(fixed10)}" if fixed20 and fixed10 else "-")
+            + f" | {', '.join(str(r['fired']) for r in rs) if any(r.get('fired') for r in rs) else '-'}"
             + f" | {statistics.mean(r['wall_s'] for r in rs):.0f} s |"
         )
     return "\n".join(out) + "\n"
