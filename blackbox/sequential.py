@@ -45,7 +45,7 @@ from blackbox import errors, evidence, stats
 from blackbox.history import History, Kind
 from blackbox.verdict import Finding, Status, Verdict, merge
 
-__all__ = ["Look", "Schedule", "coverage", "judge", "look", "planned_look", "stops", "subset"]
+__all__ = ["Look", "Schedule", "coverage", "expected_pass_look", "judge", "look", "planned_look", "stops", "subset"]
 
 # What one judgement of a history at a level returns: its verdict, and the grades that go with it.
 Judge = Callable[[History, float], tuple[Verdict, Any]]
@@ -109,6 +109,17 @@ class Schedule:
         return range(self.maximum + extra * start, self.maximum + extra * stop)
 
 
+def _promises(n: int, level: float, schedule: Schedule, detect: float, resumes: int, graders: int) -> bool:
+    """Whether a look of n conversations at `level`, one unit a conversation (a conversation's largest deviation
+    over its `resumes`, which must cover the conversation fraction `either_fraction(detect, resumes)`), a yardstick
+    `ratio` times as large and the level split over `graders` of three tests as `evidence` splits it, could PASS
+    covering `detect` (power `evidence.POWER`)."""
+    per_test = level / (graders * _TESTS_PER_GRADER)
+    critical = stats.exceedance_critical(n, schedule.ratio * n, per_test, ranks=evidence.RANKS)
+    q = stats.detectable_fraction(n, critical, evidence.POWER)
+    return q is not None and q <= stats.either_fraction(detect, resumes)
+
+
 def planned_look(
     detect: float,
     resumes: int,
@@ -116,21 +127,24 @@ def planned_look(
     graders: int = _AUTO_GRADERS,
     share: float = PLAN_SHARE,
 ) -> int:
-    """The first look at which a correct engine's run is expected to PASS covering `detect` of decode-region hits,
-    were `share` of alpha spent by it: at one unit a conversation (a conversation's largest deviation over its
-    `resumes`, which must cover the conversation fraction `either_fraction(detect, resumes)`), a yardstick `ratio`
-    times as large, and the look's level split over `graders` of three tests, as `evidence` does. 0 where no look
-    is (alpha is then spent linearly). A planning figure only: it decides how alpha is spread, never a verdict."""
-    looks = schedule.looks
-    target = stats.either_fraction(detect, resumes)
-    per_test = share * schedule.alpha / (graders * _TESTS_PER_GRADER)
-    for j, n in enumerate(looks[:-1], 1):
-        level = per_test * (n - (looks[j - 2] if j > 1 else 0)) / n
-        critical = stats.exceedance_critical(n, schedule.ratio * n, level, ranks=evidence.RANKS)
-        q = stats.detectable_fraction(n, critical, evidence.POWER)
-        if q is not None and q <= target:
+    """The first look (before the last) at which a correct engine's run is expected to PASS covering `detect` of
+    decode-region hits, were `share` of alpha spent linearly up to it (`_promises`); 0 where none is (alpha is then
+    spent linearly). A planning figure only: it decides how alpha is spread, never a verdict."""
+    looks = (0, *schedule.looks)
+    for j in range(1, len(looks) - 1):
+        level = share * schedule.alpha * (looks[j] - looks[j - 1]) / looks[j]
+        if _promises(looks[j], level, schedule, detect, resumes, graders):
             return j
     return 0
+
+
+def expected_pass_look(detect: float, resumes: int, schedule: Schedule, graders: int = _AUTO_GRADERS) -> int | None:
+    """The look at which a correct engine's run of `schedule` is expected to PASS covering `detect` (`_promises`
+    at each look's own level); None where the budget ends first. For planning tables (bench/plan.py)."""
+    for k, n in enumerate(schedule.looks, 1):
+        if _promises(n, schedule.level(k), schedule, detect, resumes, graders):
+            return k
+    return None
 
 
 @dataclass(frozen=True)

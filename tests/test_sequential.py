@@ -83,6 +83,9 @@ def test_a_plan_spends_most_of_alpha_by_the_look_where_a_correct_engine_is_expec
     assert math.isclose(sum(levels), 0.01) and math.isclose(sum(levels[:3]), 0.8 * 0.01)
     assert levels[0] == levels[2] > 20 * levels[3]  # 0.00267 by the plan, 0.000118 a look after it
     assert "80% spent by look 3" in plan.describe()
+    # The plan is where such a run passes; before plans, rounds of 16 spent linearly passed at 32 (measured so).
+    assert sequential.expected_pass_look(0.2, 3, plan) == 3
+    assert sequential.expected_pass_look(0.2, 3, sequential.Schedule(16, 160, 0.01, ratio=2)) == 2
     # Fewer resumes need more conversations for the same fraction of hits; what no look can promise is no plan.
     assert sequential.planned_look(0.2, 1, base) == 9 and sequential.planned_look(0.01, 1, base) == 0
     assert dataclasses.replace(base, planned=0).level(1) == 0.01 * 8 / 160
