@@ -115,14 +115,29 @@ def cache_live(history: History) -> Finding:
             **figures,
         )
     if hits <= 0:
+        # A cache too small for the requests in flight evicts every prefix before its follow-up comes (the load
+        # probe at 70 GPU blocks: 0 hits, up to 78 preemptions), which no prefix-caching flag mends.
+        assert delta is not None
+        pressure = {"preemptions": delta.value(metrics.PREEMPTIONS), "evictions": delta.value(metrics.EVICTIONS)}
+        said = [f"{name} {value:g}" for name, value in pressure.items() if value]
+        hint = (
+            "start the treatment with --enable-prefix-caching --mamba-cache-mode align; a known regression drops "
+            "hybrid hit rates to 0% (vLLM #54360)"
+        )
+        if said:
+            hint = (
+                f"the treatment was under memory pressure over the run ({', '.join(said)}): its KV cache may be too "
+                "small to keep a prefix until the follow-up comes. Give it more KV-cache blocks or send fewer "
+                "conversations at once (--concurrency); if neither helps, " + hint
+            )
         return Finding.from_error(
             "cache-live",
             errors.CacheNotLive(
                 f"the treatment's prefix-cache hit counter did not move over {queries or 0:g} queried tokens",
-                hint="start the treatment with --enable-prefix-caching --mamba-cache-mode align; a known regression "
-                "drops hybrid hit rates to 0% (vLLM #54360)",
+                hint=hint,
             ),
             **figures,
+            **pressure,
         )
     ratio = f"{hits / queries:.1%}" if queries else "n/a"
     return Finding.passed(

@@ -40,6 +40,8 @@ DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
+PREEMPTIONS = "vllm:num_preemptions"
+EVICTIONS = "vllm:kv_block_idle_before_evict_seconds_count"  # one sample per evicted block (--kv-cache-metrics)
 START_TIME = "process_start_time_seconds"
 
 Labels = tuple[tuple[str, str], ...]

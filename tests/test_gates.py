@@ -53,6 +53,20 @@ def test_zero_hits_is_cache_not_live() -> None:
     assert "--enable-prefix-caching" in finding.hint
 
 
+def test_zero_hits_under_memory_pressure_says_the_cache_may_be_too_small() -> None:
+    history = h.healthy(CACHE_HITS=0)
+    pressed = h.live_delta(CACHE_HITS=0, PREEMPTIONS=28, EVICTIONS=2092)
+    finding = assert_only_failure(
+        dataclasses.replace(history, deltas={**history.deltas, Arm.TREATMENT: pressed}),
+        "cache-live",
+        errors.CacheNotLive,
+    )
+    assert "preemptions 28, evictions 2092" in finding.hint and "too small" in finding.hint
+    assert finding.figures["preemptions"] == 28 and "--enable-prefix-caching" in finding.hint
+    # Without pressure the hint is the flags' alone.
+    assert "too small" not in assert_only_failure(history, "cache-live", errors.CacheNotLive).hint
+
+
 def test_missing_hit_counter_is_cache_not_live() -> None:
     finding = assert_only_failure(h.healthy(CACHE_HITS=None), "cache-live", errors.CacheNotLive)
     assert "no vllm:prefix_cache_hits_total counter" in finding.reason

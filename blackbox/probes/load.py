@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from blackbox import errors
+from blackbox import errors, metrics
 from blackbox.config import Grading
 from blackbox.evidence import Sample
 from blackbox.history import Arm, Exchange, History, Plan
@@ -46,8 +46,7 @@ __all__ = ["EVICTIONS", "FIRST", "LOAD", "PREEMPTIONS", "Load", "trigger"]
 
 FIRST = 50_000  # conversation id of the first prefix (apart from the other probes' documents)
 TURN1, FOLLOW = "load-a", "load-b"
-PREEMPTIONS = "vllm:num_preemptions"
-EVICTIONS = "vllm:kv_block_idle_before_evict_seconds_count"  # one sample per evicted block (--kv-cache-metrics)
+PREEMPTIONS, EVICTIONS = metrics.PREEMPTIONS, metrics.EVICTIONS
 
 
 class Load(ResumeProbe):
