@@ -107,6 +107,21 @@ async def measured_run(config: Any, store: RunStore) -> tuple[Any, float, Sample
     return result, wall, sampler, started
 
 
+async def sampled_replay(
+    exchanges: list[dict[str, Any]], urls: Mapping[str, str], concurrency: int, salt: str
+) -> tuple[float, Sampler, float]:
+    """The replay under the same idle sampler as the blackbox run, so both sides pay its /metrics polling."""
+    sampler = Sampler(urls)
+    task = asyncio.create_task(sampler.loop())
+    started = time.monotonic()
+    try:
+        wall = await replay(exchanges, urls, concurrency, salt)
+    finally:
+        sampler.stop()
+        await task
+    return wall, sampler, started
+
+
 def conversation_phase(exchanges: list[dict[str, Any]], started: float) -> tuple[float, float]:
     """Monotonic [first request sent, last answer back] of the recorded chat requests."""
     first = min(e["started_s"] for e in exchanges)
@@ -162,8 +177,13 @@ def one(case: Any, fleet: Any, seed: int, args: argparse.Namespace) -> dict[str,
     result, wall, sampler, started = _blackbox(config, folder)
     exchanges = chats(folder)
     a, b = conversation_phase(exchanges, started)
-    raw = asyncio.run(replay(exchanges, fleet.urls, config.concurrency, f"replay-{time.time_ns()}"))
+    raw, replay_sampler, replay_started = asyncio.run(
+        sampled_replay(exchanges, fleet.urls, config.concurrency, f"replay-{time.time_ns()}")
+    )
     idle = {role: sampler.idle(role, a, b) for role in sampler.urls}
+    replay_idle = {
+        role: replay_sampler.idle(role, replay_started, replay_started + raw) for role in replay_sampler.urls
+    }
     return {
         "seed": seed,
         "conversations": args.conversations,
@@ -177,6 +197,8 @@ def one(case: Any, fleet: Any, seed: int, args: argparse.Namespace) -> dict[str,
         "ratio": round(wall / raw, 4),
         "phase_ratio": round((b - a) / raw, 4),
         "idle_fraction": {k: None if v is None else round(v, 4) for k, v in idle.items()},
+        "replay_idle_fraction": {k: None if v is None else round(v, 4) for k, v in replay_idle.items()},
+        "replay_sampled": True,
         "samples": {role: len(s) for role, s in sampler.samples.items()},
     }
 
@@ -191,21 +213,28 @@ def table(rows: list[dict[str, Any]]) -> str:
         "*Idle*: fraction of 0.2 s samples in the conversation phase where a server had no request running or "
         "waiting. Targets (issue 24): ratio at most 1.03, idle at most 10%. *Cold*: a first run of the seed on "
         "the same servers (rows before it was added have none and were measured cold: their runs paid the "
-        "servers' first kernel compiles, the replay did not).\n",
+        "servers' first kernel compiles, the replay did not). *Replay idle*: the same sampler during the replay "
+        "(from 2026-12-05 on it polls both sides, so both pay its /metrics requests; before, the blackbox run "
+        "alone).\n",
         "| date | seed | conversations | requests | verdict | cold | blackbox | phase | replay | ratio | "
-        "phase / replay | idle (treatment, control, reference) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "phase / replay | idle (treatment, control, reference) | replay idle |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        idle = ", ".join(
-            "-" if r["idle_fraction"].get(k) is None else f"{r['idle_fraction'][k]:.0%}"
-            for k in ("treatment", "control", "reference")
+
+    def fractions(r: dict[str, Any], key: str) -> str:
+        if key not in r:  # rows before 2026-12-05 sampled the blackbox run only
+            return "-"
+        return ", ".join(
+            "-" if r[key].get(k) is None else f"{r[key][k]:.0%}" for k in ("treatment", "control", "reference")
         )
+
+    for r in rows:
+        idle = fractions(r, "idle_fraction")
         out.append(
             f"| {r['date']} | {r['seed']} | {r['conversations']} | {r['requests']} | {r['status']} | "
             + (f"{r['cold_blackbox_wall_s']:.0f} s" if r.get("cold_blackbox_wall_s") else "-")
             + f" | {r['blackbox_wall_s']:.0f} s | {r['conversation_phase_s']:.0f} s | {r['replay_wall_s']:.0f} s | "
-            f"{r['ratio']:.3f} | {r['phase_ratio']:.3f} | {idle} |"
+            f"{r['ratio']:.3f} | {r['phase_ratio']:.3f} | {idle} | {fractions(r, 'replay_idle_fraction')} |"
         )
     if rows:
         out.append(
