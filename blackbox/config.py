@@ -8,7 +8,7 @@ from typing import Any
 
 from blackbox import inputs, secrets
 from blackbox.errors import UsageError
-from blackbox.sequential import Schedule, planned_look
+from blackbox.sequential import PLAN_SHARE, Schedule, planned_look
 from blackbox.workload import MAX_RESUMES, Shape
 
 __all__ = ["GRADERS", "PROBES", "Grading", "RaceSettings", "RunConfig"]
@@ -89,6 +89,9 @@ class RunConfig:
     detect: float | None = None
     round_conversations: int = 8
     max_conversations: int = 160
+    # The share of alpha spent by the look where a PASS is planned (blackbox.sequential); 0 spends it linearly,
+    # as runs stored before the plan did, so `blackbox grade` judges them at the levels they ran at.
+    plan_share: float = PLAN_SHARE
 
     def __post_init__(self) -> None:
         _require(self.conversations >= 1, "--conversations must be at least 1")
@@ -131,6 +134,7 @@ class RunConfig:
                 "--max-conversations must be at least --round",
             )
             _require("multiturn" in self.probes, "--detect needs the multiturn probe: its conversations are the rounds")
+            _require(0 <= self.plan_share < 1, "plan_share must be in [0, 1)")
 
     @property
     def schedule(self) -> Schedule | None:
@@ -138,9 +142,11 @@ class RunConfig:
         if self.detect is None:
             return None
         base = Schedule(self.round_conversations, self.max_conversations, self.grading.alpha, self.reference_ratio)
-        graders = len(self.grading.graders) or None
-        planned = planned_look(self.detect, self.shape.resumes, base, *((graders,) if graders else ()))
-        return replace(base, planned=planned)
+        if not self.plan_share:
+            return base
+        graders = len(self.grading.graders) or None  # None: the graders a run picks itself
+        planned = planned_look(self.detect, self.shape.resumes, base, graders, share=self.plan_share)
+        return replace(base, planned=planned, share=self.plan_share)
 
     @property
     def yardstick_base(self) -> int:
@@ -170,6 +176,7 @@ class RunConfig:
                 "probes": tuple(data.get("probes", ("multiturn",))),
                 "treatment_metrics": tuple(data.get("treatment_metrics", ())),
                 "reference_ratio": data.get("reference_ratio", 1),  # folders from before the option: 1x
+                "plan_share": data.get("plan_share", 0.0),  # folders from before the plan: linear spending
             }
         )
 

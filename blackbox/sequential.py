@@ -124,7 +124,7 @@ def planned_look(
     detect: float,
     resumes: int,
     schedule: Schedule,
-    graders: int = _AUTO_GRADERS,
+    graders: int | None = None,
     share: float = PLAN_SHARE,
 ) -> int:
     """The first look (before the last) at which a correct engine's run is expected to PASS covering `detect` of
@@ -133,7 +133,7 @@ def planned_look(
     looks = (0, *schedule.looks)
     for j in range(1, len(looks) - 1):
         level = share * schedule.alpha * (looks[j] - looks[j - 1]) / looks[j]
-        if _promises(looks[j], level, schedule, detect, resumes, graders):
+        if _promises(looks[j], level, schedule, detect, resumes, graders or _AUTO_GRADERS):
             return j
     return 0
 

@@ -89,6 +89,12 @@ def test_a_plan_spends_most_of_alpha_by_the_look_where_a_correct_engine_is_expec
     # Fewer resumes need more conversations for the same fraction of hits; what no look can promise is no plan.
     assert sequential.planned_look(0.2, 1, base) == 9 and sequential.planned_look(0.01, 1, base) == 0
     assert dataclasses.replace(base, planned=0).level(1) == 0.01 * 8 / 160
+    # A run stored before the plan (no plan_share in its config.json) is judged again at the linear levels it ran
+    # at; one stored after keeps its plan.
+    stored = RunConfig(treatment="http://127.0.0.1:1", detect=0.2).to_json()
+    assert RunConfig.from_json(stored).schedule == RunConfig(treatment="http://127.0.0.1:1", detect=0.2).schedule
+    old = RunConfig.from_json({k: v for k, v in stored.items() if k != "plan_share"}).schedule
+    assert old is not None and old.planned == 0 and old.level(1) == 0.01 * 8 / 160
     # The configuration plans it: the graders named split the level further.
     assert RunConfig(treatment="http://127.0.0.1:1", detect=0.2).schedule == dataclasses.replace(
         base, ratio=RunConfig.reference_ratio, planned=sequential.planned_look(0.2, 1, base)
