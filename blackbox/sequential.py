@@ -24,7 +24,8 @@ fixed before any data: a wrong plan costs power (a run that misses look j tests 
 never level. The bound needs nothing about how the looks depend on each
 other, which matters here: the graders' tests are exact rank, hypergeometric and binomial tests whose statistics
 over successive looks have no normal joint law to compute a tighter boundary from (Jennison & Turnbull, ch. 7, do
-that for normal statistics). It is conservative, and the price is the per-look level alpha/K rather than alpha;
+that for normal statistics). It is conservative, and the price is the per-look level (alpha/K when linear,
+PLAN_SHARE * alpha / j up to a plan) rather than alpha;
 tests/test_sequential.py measures both the size under the null with this stopping rule (20 000 simulated runs) and
 the inflation of looking at the full alpha each time. A PASS or FAIL from here states the look, the conversations
 it took and the level it was judged at. Stopping for a PASS spends no alpha: only FAIL is an error under the
