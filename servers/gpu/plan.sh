@@ -348,15 +348,19 @@ v4() { # SPECS
 # sitting, 2026-12-05: 140 and 125 still preempted nothing on the GPU model). Every role's --block-size 288 now
 # comes from the gpu-tiny preset (servers/profiles.py GPU_TINY_BLOCK_SIZE; the eighth sitting passed it here): left
 # to choose, vLLM 0.26 gives the reference (no MTP) 272 and blackbox's yardstick gate refuses the triple
-# (ConfigMismatch).
+# (ConfigMismatch). A spec may add :CONC (blackbox --concurrency, conversations in flight; default 8) and :MAXLEN
+# (every role's --max-model-len, so that fewer blocks than an 8192-token request's ~62 start); LOAD_BB_ARGS is
+# appended to every load run's blackbox call (sixth preemption try, 2026-12-06: fewer in flight at small caches).
+# `loadsum` prints what a call reads back: counters, server-log lines, verdicts, digests.
 LOAD_SPECS=${LOAD_SPECS:-"load-clean:-:8510:170:0 load-recycled:recycled-block:8520:170:0"}
 LOAD_METRICS=(--kv-cache-metrics --kv-cache-metrics-sample 1.0)
 
 start_load() { # SPECS
-    local name fault port blocks seed0
+    local name fault port blocks seed0 conc maxlen
     for spec in $1; do
-        IFS=: read -r name fault port blocks seed0 <<<"$spec"
+        IFS=: read -r name fault port blocks seed0 conc maxlen <<<"$spec"
         local kv=("${KV[@]}" --num-gpu-blocks-override "$blocks" "${LOAD_METRICS[@]}")
+        [ -n "$maxlen" ] && kv+=(--max-model-len "$maxlen")
         if [ "$fault" = - ]; then
             $D serve "f-$name" treatment "$port" -- "${kv[@]}"
         else
@@ -367,9 +371,11 @@ start_load() { # SPECS
     done
 }
 
-series_load() { # NAME FAULT PORT SEED0
+series_load() { # NAME FAULT PORT SEED0 [CONC]
     local name=$1 fault=$2 t=$3 seed0=$4 n=0 seed before after case=clean room=${LOAD_ROOM:-240} took
-    local log=$W/logs/f-$1/treatment.log
+    local log=$W/logs/f-$1/treatment.log extra
+    read -r -a extra <<<"${LOAD_BB_ARGS:-}"
+    [ -n "${5:-}" ] && extra+=(--concurrency "$5")
     [ "$fault" != - ] && case="$fault"
     while ((n < ${LOAD_SEEDS:-4})) && (($(left) > room)) && healthy "$t"; do
         seed=$((seed0 + n))
@@ -377,7 +383,7 @@ series_load() { # NAME FAULT PORT SEED0
         : >"$W/logs/digest-$name-s$seed.out" # `send` holds the run back until its record.json
         before=$(digest counts "$log" "$fault")
         took=$(date +%s)
-        CONV=${LOAD_CONV:-32} bb_triple "$name-s$seed" "$t" $((t + 1)) $((t + 2)) "$seed" --probe load
+        CONV=${LOAD_CONV:-32} bb_triple "$name-s$seed" "$t" $((t + 1)) $((t + 2)) "$seed" --probe load "${extra[@]}"
         took=$(($(date +%s) - took))
         # Smaller caches or more triples side by side make a run longer: the next needs what this one took.
         ((took + 30 > room)) && room=$((took + 30))
@@ -388,17 +394,17 @@ series_load() { # NAME FAULT PORT SEED0
 }
 
 load_step() { # SPECS
-    local name fault port blocks seed0 ports=() f i role prefix
+    local name fault port blocks seed0 conc maxlen ports=() f i role prefix
     rm -f "$W/load-done"
     for spec in $1; do
-        IFS=: read -r name fault port blocks seed0 <<<"$spec"
+        IFS=: read -r name fault port blocks seed0 conc maxlen <<<"$spec"
         ports+=("$port" $((port + 1)) $((port + 2)))
     done
     $D wait $(($(left) - ${PROBE_RESERVE:-200})) "${ports[@]}"
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv
     for spec in $1; do
-        IFS=: read -r name fault port blocks seed0 <<<"$spec"
-        series_load "$name" "$fault" "$port" "$seed0" &
+        IFS=: read -r name fault port blocks seed0 conc maxlen <<<"$spec"
+        series_load "$name" "$fault" "$port" "$seed0" "$conc" &
     done
     wait
     for f in "$W"/logs/f-load-*/treatment.log; do
@@ -406,7 +412,7 @@ load_step() { # SPECS
             "$(grep -m1 -o 'Asynchronous scheduling is [a-z]*' "$f")"
     done
     for spec in $1; do # a server that died under load: the end of its log is the finding
-        IFS=: read -r name fault port blocks seed0 <<<"$spec"
+        IFS=: read -r name fault port blocks seed0 conc maxlen <<<"$spec"
         for f in 0:treatment:f 1:control:c 2:reference:r; do
             IFS=: read -r i role prefix <<<"$f"
             healthy $((port + i)) && continue
@@ -416,6 +422,33 @@ load_step() { # SPECS
     done
     cat "$W"/logs/digest-load-*.out 2>/dev/null
     touch "$W/load-done"
+}
+
+load_sum() { # SPECS: what a call reads back, after (or while) `load` runs
+    local name fault port blocks seed0 conc maxlen i f
+    date -u
+    grep -v "^ *$" "$W/logs/loadbg.log" 2>/dev/null | tail -30
+    for f in "$W"/logs/*-load-*/*.log; do
+        echo "$f: $(grep -m1 -o 'Overriding num_gpu_blocks.*' "$f") | $(grep -m1 -o 'Maximum concurrency.*' "$f")" \
+            "| errors $(grep -c ERROR "$f") | preempt lines $(grep -ci preempt "$f")"
+    done
+    for spec in $1; do
+        IFS=: read -r name fault port blocks seed0 conc maxlen <<<"$spec"
+        for i in 0 1 2; do
+            echo "$name $((port + i)) $(curl -s -m5 "$(url $((port + i)))/metrics" |
+                grep -E '^vllm:(num_preemptions_total|kv_block_idle_before_evict_seconds_count)' | sed 's/{.*}//' |
+                tr '\n' ' ')"
+        done
+    done
+    python3 - "$W" <<'PY'
+import glob, json, sys
+for p in sorted(glob.glob(sys.argv[1] + "/runs/load-*/*/verdict.json")):
+    v = json.load(open(p))
+    fs = [(f["check"], f["status"], (f.get("reason") or "")[:400]) for f in v["findings"]
+          if f["check"] in ("load-trigger", "load", "cache-live")]
+    print(p.split("/")[-3], v["status"], v.get("error_class"), fs)
+PY
+    cat "$W"/logs/digest-load-*.out 2>/dev/null
 }
 
 # The finished run folders not yet sent, as one solid xz tarball split in 15 MiB parts (at most 8 files, 64 MiB
@@ -468,6 +501,7 @@ for step in "$@"; do
     start-v5) start_v4 "$V5_SPECS" ;;
     start-load) start_load "$LOAD_SPECS" ;;
     load) load_step "$LOAD_SPECS" ;;
+    loadsum) load_sum "$LOAD_SPECS" ;;
     loadlogs) # the load servers' logs (fired lines, scheduling, preemptions) as one xz tarball
         (cd "$W/logs" && tar cf - ./*load* 2>/dev/null) | xz -T0 -6 >"$OUT/load-logs.tar.xz"
         ls -la "$OUT" ;;
