@@ -93,33 +93,39 @@ class Sampler:
         return None if not inside else 1 - sum(inside) / len(inside)
 
 
-async def measured_run(config: Any, store: RunStore) -> tuple[Any, float, Sampler, float]:
+async def measured_run(config: Any, store: RunStore) -> tuple[Any, float, Sampler, float, float]:
+    """The run under the sampler; also this process's CPU seconds, which on the CPU pair the servers lose."""
     roles = {"treatment": config.treatment, "control": config.control, "reference": config.reference}
     sampler = Sampler({role: url for role, url in roles.items() if url})
     task = asyncio.create_task(sampler.loop())
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()
     try:
         result = await run(config, store)
     finally:
-        wall = time.monotonic() - started
+        wall, cpu = time.monotonic() - started, time.process_time() - cpu
         sampler.stop()
         await task
-    return result, wall, sampler, started
+    return result, wall, sampler, started, cpu
 
 
 async def sampled_replay(
-    exchanges: list[dict[str, Any]], urls: Mapping[str, str], concurrency: int, salt: str
-) -> tuple[float, Sampler, float]:
+    exchanges: list[dict[str, Any]],
+    urls: Mapping[str, str],
+    concurrency: int,
+    salt: str,
+    timings: list[dict[str, Any]],
+) -> tuple[float, Sampler, float, float]:
     """The replay under the same idle sampler as the blackbox run, so both sides pay its /metrics polling."""
     sampler = Sampler(urls)
     task = asyncio.create_task(sampler.loop())
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()
     try:
-        wall = await replay(exchanges, urls, concurrency, salt)
+        wall = await replay(exchanges, urls, concurrency, salt, timings)
     finally:
+        cpu = time.process_time() - cpu
         sampler.stop()
         await task
-    return wall, sampler, started
+    return wall, sampler, started, cpu
 
 
 def conversation_phase(exchanges: list[dict[str, Any]], started: float) -> tuple[float, float]:
@@ -129,13 +135,29 @@ def conversation_phase(exchanges: list[dict[str, Any]], started: float) -> tuple
     return started + first, started + last
 
 
+def latencies(run: list[dict[str, Any]], replayed: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Mean seconds a request of each server and kind took: [in the run, in the replay]."""
+    sides: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for side, rows in enumerate((run, replayed)):
+        for r in rows:
+            sides[f"{r['arm']} {r.get('kind')}"][side].append(r["elapsed_s"])
+    return {k: [round(statistics.mean(v), 2) if v else 0.0 for v in pair] for k, pair in sorted(sides.items())}
+
+
 def chats(folder: Path) -> list[dict[str, Any]]:
     rows = [json.loads(line) for line in (folder / "exchanges.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if r.get("request") and r.get("started_s") is not None and r.get("ok")]
 
 
-async def replay(exchanges: list[dict[str, Any]], urls: Mapping[str, str], concurrency: int, salt: str) -> float:
-    """Every recorded request again, in the run's order per (conversation, server), with a fresh cache_salt."""
+async def replay(
+    exchanges: list[dict[str, Any]],
+    urls: Mapping[str, str],
+    concurrency: int,
+    salt: str,
+    timings: list[dict[str, Any]] | None = None,
+) -> float:
+    """Every recorded request again, in the run's order per (conversation, server), with a fresh cache_salt; a
+    control request waits for its conversation's first treatment answer, as the run's must."""
     chains: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for e in sorted(exchanges, key=lambda e: e["started_s"]):
         chains[e["conversation"]][e["arm"]].append(e)
@@ -144,24 +166,34 @@ async def replay(exchanges: list[dict[str, Any]], urls: Mapping[str, str], concu
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
 
-        async def chain(arm: str, requests: list[dict[str, Any]]) -> None:
+        async def chain(arm: str, requests: list[dict[str, Any]], first: asyncio.Event) -> None:
+            if arm == "control":  # its prompt holds the treatment's turn-1 answer: it cannot be sent before that
+                await first.wait()
             for e in requests:
                 body = dict(e["request"])
                 if isinstance(body.get("cache_salt"), str):
                     body["cache_salt"] = f"{salt}-{body['cache_salt']}"
+                sent = time.monotonic()
                 response = await http.post(f"{urls[arm]}/v1/chat/completions", json=body)
                 response.raise_for_status()
+                if timings is not None:  # to set each request's latency beside the run's (`latencies`)
+                    timings.append({"arm": arm, "kind": e.get("kind"), "elapsed_s": time.monotonic() - sent})
+                if arm == "treatment":
+                    first.set()
 
         async def conversation(c: int) -> None:
+            first = asyncio.Event()
+            if "treatment" not in chains[c]:
+                first.set()
             async with bound:
-                await asyncio.gather(*(chain(arm, rs) for arm, rs in chains[c].items()))
+                await asyncio.gather(*(chain(arm, rs, first) for arm, rs in chains[c].items()))
 
         started = time.monotonic()
         await asyncio.gather(*(conversation(c) for c in order))
         return time.monotonic() - started
 
 
-def _blackbox(config: Any, folder: Path) -> tuple[Any, float, Sampler, float]:
+def _blackbox(config: Any, folder: Path) -> tuple[Any, float, Sampler, float, float]:
     shutil.rmtree(folder, ignore_errors=True)
     store = RunStore(folder.parent, folder.name)  # its own cache_salt: every run starts as cold as the first
     try:
@@ -172,13 +204,14 @@ def _blackbox(config: Any, folder: Path) -> tuple[Any, float, Sampler, float]:
 
 def one(case: Any, fleet: Any, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     config = faults.run_config(case, fleet.urls, seed, args, args.conversations)
-    _, cold_wall, _, _ = _blackbox(config, args.keep_runs / f"overhead-s{seed}-n{args.conversations}-cold")
+    _, cold_wall, _, _, _ = _blackbox(config, args.keep_runs / f"overhead-s{seed}-n{args.conversations}-cold")
     folder = args.keep_runs / f"overhead-s{seed}-n{args.conversations}"
-    result, wall, sampler, started = _blackbox(config, folder)
+    result, wall, sampler, started, cpu = _blackbox(config, folder)
     exchanges = chats(folder)
     a, b = conversation_phase(exchanges, started)
-    raw, replay_sampler, replay_started = asyncio.run(
-        sampled_replay(exchanges, fleet.urls, config.concurrency, f"replay-{time.time_ns()}")
+    timings: list[dict[str, Any]] = []
+    raw, replay_sampler, replay_started, replay_cpu = asyncio.run(
+        sampled_replay(exchanges, fleet.urls, config.concurrency, f"replay-{time.time_ns()}", timings)
     )
     idle = {role: sampler.idle(role, a, b) for role in sampler.urls}
     replay_idle = {
@@ -199,6 +232,9 @@ def one(case: Any, fleet: Any, seed: int, args: argparse.Namespace) -> dict[str,
         "idle_fraction": {k: None if v is None else round(v, 4) for k, v in idle.items()},
         "replay_idle_fraction": {k: None if v is None else round(v, 4) for k, v in replay_idle.items()},
         "replay_sampled": True,
+        "client_cpu_s": round(cpu, 1),
+        "latencies": latencies(exchanges, timings),
+        "replay_client_cpu_s": round(replay_cpu, 1),
         "samples": {role: len(s) for role, s in sampler.samples.items()},
     }
 

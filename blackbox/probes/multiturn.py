@@ -573,29 +573,36 @@ async def _conversation(
         if not t1.ok:
             return [t1]
         m2 = turn2_messages(plan, t1.text)
-        out = [t1, await ask(arm, Kind.TURN2, turn2_body(m2, shape, salt=salt))]
-        out.append(await ask(arm, Kind.TURN2_FRESH, turn2_body(m2, shape, salt=fresh(Kind.TURN2))))
-        # Extra resumes: the answer cut a block, two blocks, ... earlier, so each hit lands on another
-        # decode-written boundary of the same turn 1 (sent after turn 2, whose prefill writes only above them).
-        words = [t.token for t in t1.tokens]
-        for j, keep in enumerate(shape.resume_cuts(block_size), start=1):
-            m = turn2_messages(plan, resume_cut(t1.text, words, keep))
-            out.append(await ask(arm, Kind.resume(j), turn2_body(m, shape, salt=salt)))
-            out.append(await ask(arm, Kind.fresh(Kind.resume(j)), turn2_body(m, shape, salt=fresh(Kind.resume(j)))))
+        # The control needs only turn 1's answer: sent now, it runs beside the treatment's chain, not after it.
         control = (
             asyncio.create_task(ask(Arm.CONTROL, Kind.TURN2, turn2_body(m2, shape, salt=salt)))
             if arm == Arm.TREATMENT and Arm.CONTROL in endpoints
             else None
         )
-        # The probe's hit ends in the prefill-written region; on the reference it measures whether this engine
-        # is bit-exact there, so exactness is demanded only where it was measured.
-        out.append(await ask(arm, Kind.PROBE, turn2_body(plan.probe_messages, shape, salt=salt, probe=True)))
-        out.append(
-            await ask(arm, Kind.PROBE_FRESH, turn2_body(plan.probe_messages, shape, salt=fresh(Kind.PROBE), probe=True))
-        )
-        if control is not None:
-            out.append(await control)
-        return out
+        try:
+            out = [t1, await ask(arm, Kind.TURN2, turn2_body(m2, shape, salt=salt))]
+            out.append(await ask(arm, Kind.TURN2_FRESH, turn2_body(m2, shape, salt=fresh(Kind.TURN2))))
+            # Extra resumes: the answer cut a block, two blocks, ... earlier, so each hit lands on another
+            # decode-written boundary of the same turn 1 (sent after turn 2, whose prefill writes only above them).
+            words = [t.token for t in t1.tokens]
+            for j, keep in enumerate(shape.resume_cuts(block_size), start=1):
+                m = turn2_messages(plan, resume_cut(t1.text, words, keep))
+                out.append(await ask(arm, Kind.resume(j), turn2_body(m, shape, salt=salt)))
+                out.append(await ask(arm, Kind.fresh(Kind.resume(j)), turn2_body(m, shape, salt=fresh(Kind.resume(j)))))
+            # The probe's hit ends in the prefill-written region; on the reference it measures whether this engine
+            # is bit-exact there, so exactness is demanded only where it was measured.
+            out.append(await ask(arm, Kind.PROBE, turn2_body(plan.probe_messages, shape, salt=salt, probe=True)))
+            out.append(
+                await ask(
+                    arm, Kind.PROBE_FRESH, turn2_body(plan.probe_messages, shape, salt=fresh(Kind.PROBE), probe=True)
+                )
+            )
+            if control is not None:
+                out.append(await control)
+            return out
+        finally:
+            if control is not None and not control.done():  # a chain that raised leaves no request behind
+                control.cancel()
 
     if conv >= config.yardstick_base:  # a yardstick conversation: the reference's alone
         return await resumed(Arm.REFERENCE)
