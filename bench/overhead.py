@@ -204,7 +204,13 @@ def _blackbox(config: Any, folder: Path) -> tuple[Any, float, Sampler, float, fl
 
 def one(case: Any, fleet: Any, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     config = faults.run_config(case, fleet.urls, seed, args, args.conversations)
-    _, cold_wall, _, _, _ = _blackbox(config, args.keep_runs / f"overhead-s{seed}-n{args.conversations}-cold")
+    cold = args.keep_runs / f"overhead-s{seed}-n{args.conversations}-cold"
+    _, cold_wall, _, _, _ = _blackbox(config, cold)
+    # The cold run's requests replayed before the measured run as well as its own after it, so that servers
+    # growing faster (or slower) over the sitting show as two replays that disagree, not as blackbox's cost.
+    before, _, _, _ = asyncio.run(
+        sampled_replay(chats(cold), fleet.urls, config.concurrency, f"replay-{time.time_ns()}", [])
+    )
     folder = args.keep_runs / f"overhead-s{seed}-n{args.conversations}"
     result, wall, sampler, started, cpu = _blackbox(config, folder)
     exchanges = chats(folder)
@@ -227,6 +233,7 @@ def one(case: Any, fleet: Any, seed: int, args: argparse.Namespace) -> dict[str,
         "cold_blackbox_wall_s": round(cold_wall, 2),
         "conversation_phase_s": round(b - a, 2),
         "replay_wall_s": round(raw, 2),
+        "replay_before_wall_s": round(before, 2),
         "ratio": round(wall / raw, 4),
         "phase_ratio": round((b - a) / raw, 4),
         "idle_fraction": {k: None if v is None else round(v, 4) for k, v in idle.items()},
@@ -251,10 +258,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         "the same servers (rows before it was added have none and were measured cold: their runs paid the "
         "servers' first kernel compiles, the replay did not). *Replay idle*: the same sampler during the replay "
         "(from 2026-12-05 on it polls both sides, so both pay its /metrics requests; before, the blackbox run "
-        "alone).\n",
+        "alone). *Replay before*: the cold run's requests replayed between the cold and the measured run (from "
+        "2026-12-06 on), against drift of the servers' speed over the sitting. *Client CPU*: seconds of CPU the "
+        "blackbox process / the replay loop used (the servers share the machine's two cores with it).\n",
         "| date | seed | conversations | requests | verdict | cold | blackbox | phase | replay | ratio | "
-        "phase / replay | idle (treatment, control, reference) | replay idle |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "phase / replay | idle (treatment, control, reference) | replay idle | replay before | client CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fractions(r: dict[str, Any], key: str) -> str:
@@ -270,7 +279,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['date']} | {r['seed']} | {r['conversations']} | {r['requests']} | {r['status']} | "
             + (f"{r['cold_blackbox_wall_s']:.0f} s" if r.get("cold_blackbox_wall_s") else "-")
             + f" | {r['blackbox_wall_s']:.0f} s | {r['conversation_phase_s']:.0f} s | {r['replay_wall_s']:.0f} s | "
-            f"{r['ratio']:.3f} | {r['phase_ratio']:.3f} | {idle} | {fractions(r, 'replay_idle_fraction')} |"
+            f"{r['ratio']:.3f} | {r['phase_ratio']:.3f} | {idle} | {fractions(r, 'replay_idle_fraction')} | "
+            + (f"{r['replay_before_wall_s']:.0f} s" if "replay_before_wall_s" in r else "-")
+            + " | "
+            + (f"{r['client_cpu_s']:.0f} s / {r['replay_client_cpu_s']:.0f} s" if "client_cpu_s" in r else "-")
+            + " |"
         )
     if rows:
         out.append(
