@@ -278,6 +278,13 @@ CASES += (
         Case(f"{f} 0.2 block resumes 3", "multiturn", fault=f, sporadic=0.2, resumes=3)
         for f in ("eagle-overrun", "stale-checkpoint")
     ),
+    # A PASS at --detect 0.2 promises a fault on 20% of decode-region resumes. At 0.2 of its candidates a fault
+    # strikes fewer resumes than that (the dense forms fire on 60-80% of resumes), so these are the forms that
+    # strike about a fifth of them: what that promise is measured against (bench/results/sequential.md).
+    *(
+        Case(f"{f} 0.34 block resumes 3", "multiturn", fault=f, sporadic=0.34, resumes=3)
+        for f in ("eagle-overrun", "stale-checkpoint")
+    ),
 )
 GROUPS = ("all", "false-alarm", "faults", "sporadic", "alone", "arm-mismatch", "new-probes", "resumes")
 
