@@ -154,7 +154,7 @@ async def replay(
     urls: Mapping[str, str],
     concurrency: int,
     salt: str,
-    timings: list[dict[str, Any]] | None = None,
+    timings: list[dict[str, Any]],
 ) -> float:
     """Every recorded request again, in the run's order per (conversation, server), with a fresh cache_salt; a
     control request waits for its conversation's first treatment answer, as the run's must."""
@@ -176,8 +176,9 @@ async def replay(
                 sent = time.monotonic()
                 response = await http.post(f"{urls[arm]}/v1/chat/completions", json=body)
                 response.raise_for_status()
-                if timings is not None:  # to set each request's latency beside the run's (`latencies`)
-                    timings.append({"arm": arm, "kind": e.get("kind"), "elapsed_s": time.monotonic() - sent})
+                timings.append(  # each request's latency, to set beside the run's (`latencies`)
+                    {"arm": arm, "kind": e.get("kind"), "elapsed_s": time.monotonic() - sent}
+                )
                 if arm == "treatment":
                     first.set()
 
