@@ -276,6 +276,10 @@ stale-a:stale-checkpoint:restore:8150:${SPORADIC:-0.2}:0 stale-b:stale-checkpoin
 # Fifth sitting: the adaptive exceedance threshold (evidence.RANKS) on both faults in both shapes at 0.2; set
 # V5_SPECS in the environment to run other triples the same way (e.g. fraction 0.1; FAULT "-" for a clean
 # triple, named clean-*, whose treatment runs no fault).
+# V4_BB_ARGS is appended to every v4/v5 run's blackbox call (issue 24, 2026-12-06: the sequential mode, e.g.
+# "--detect 0.2 --resumes 3 --max-conversations 48"; --detect makes blackbox ignore bb_triple's --conversations).
+# With --detect give each spec's CONVERSATIONS the budget (--max-conversations): a run may go that far, and the
+# room a series leaves for one more run (SPORADIC_ROOM, default CONVERSATIONS * 9/4 + 12 s) is reckoned from it.
 V5_SPECS=${V5_SPECS:-"eagle-a:eagle-overrun:block:8140:0.2:200 stale-a:stale-checkpoint:restore:8150:0.2:200
 eagle-r:eagle-overrun:restore:8170:0.2:200 stale-k:stale-checkpoint:block:8180:0.2:200"}
 
@@ -298,13 +302,14 @@ digest() { (cd "$W/bb" && timeout "${DIGEST_TIMEOUT:-150}" python3 -m servers.gp
 
 series4() { # NAME CASE FAULT PORT SEED0 [CONV]: seeds one after another while a run fits (SPORADIC_ROOM seconds)
     local name=$1 case=$2 fault=$3 t=$4 seed seed0=$5 conv=${6:-${SPORADIC_CONV:-64}} before after
-    local log=$W/logs/f-$1/treatment.log room=${SPORADIC_ROOM:-$((conv * 9 / 4 + 12))}
+    local log=$W/logs/f-$1/treatment.log room=${SPORADIC_ROOM:-$((conv * 9 / 4 + 12))} extra
+    read -r -a extra <<<"${V4_BB_ARGS:-}"
     while (($(left) > room)) && healthy "$t"; do
         seed=$(cat "$W/seed-$name" 2>/dev/null || echo "$seed0")
         echo $((seed + 1)) >"$W/seed-$name"
         : >"$W/logs/digest-$name-s$seed.out" # marks the run as one `send` holds back until its record.json
         before=$(digest counts "$log" "$fault")
-        CONV=$conv bb_triple "$name-s$seed" "$t" $((t + 1)) $((t + 2)) "$seed"
+        CONV=$conv bb_triple "$name-s$seed" "$t" $((t + 1)) $((t + 2)) "$seed" "${extra[@]}"
         after=$(digest counts "$log" "$fault")
         local judged=(--case "$case" --seed "$seed")
         [ "$fault" != - ] && judged+=(--fault "$fault" --before "$before" --after "$after")
