@@ -273,7 +273,7 @@ CASES += (
     Case("clean fragmented resumes 3", "multiturn", profile="cpu-tiny-fragmented", resumes=3),
     Case("clean 1 spec token resumes 3", "multiturn", spec_tokens=1, resumes=3),
     # A dense fault under --detect with resumes: decided in the first round of 8?
-    Case("eagle-overrun resumes 3", "multiturn", fault="eagle-overrun", resumes=3),
+    *(Case(f"{f} resumes 3", "multiturn", fault=f, resumes=3) for f in ("eagle-overrun", "stale-checkpoint")),
     *(
         Case(f"{f} 0.2 block resumes 3", "multiturn", fault=f, sporadic=0.2, resumes=3)
         for f in ("eagle-overrun", "stale-checkpoint")
