@@ -3,29 +3,17 @@ negative hypergeometric null matches a permutation of exchangeable deviations.""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
-import sys
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 
 from blackbox import stats
 
-from engine_env import ROOT
+from engine_env import bench_module
 
-
-def _tails() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_tails", ROOT / "bench" / "tails.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tails = _tails()
+tails = bench_module("tails")
 
 
 def test_k1_is_the_single_threshold_exceedance_test() -> None:

@@ -3,29 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any, ClassVar
 
 import pytest
 
 from servers import profiles
 
-from engine_env import ROOT
+from engine_env import bench_module
 
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_versions", ROOT / "bench" / "versions.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-versions = _bench()
+versions = bench_module("versions")
 
 
 class Started(Exception):
