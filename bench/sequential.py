@@ -48,13 +48,13 @@ def one(case: faults.Case, fleet: Any, seed: int, detect: float, args: argparse.
     folder = args.keep_runs / f"{case.name.replace(' ', '_')}-s{seed}-d{detect:g}"
     shutil.rmtree(folder, ignore_errors=True)
     store = RunStore(folder.parent, folder.name)
-    fired0, _ = faults.fault_counts(case, fleet)
+    fired0, skipped0 = faults.fault_counts(case, fleet)
     started = time.monotonic()
     try:
         result = asyncio.run(run(config, store))
     finally:
         store.close()
-    fired1, _ = faults.fault_counts(case, fleet)
+    fired1, skipped1 = faults.fault_counts(case, fleet)
     verdict = result.verdict
     seq = next((f.figures for f in verdict.findings if f.check == "sequential"), {})
     logprob = next((f.figures for f in verdict.findings if f.check == "logprob"), {})
@@ -73,6 +73,7 @@ def one(case: faults.Case, fleet: Any, seed: int, detect: float, args: argparse.
         "fixed_for_20pct": logprob.get("conversations_for_20pct"),
         "fixed_for_10pct": logprob.get("conversations_for_10pct"),
         "fired": fired1 - fired0,
+        "skipped": skipped1 - skipped0,
         "wall_s": round(time.monotonic() - started, 1),
         "reason": verdict.reason[:300],
     }
@@ -91,7 +92,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "level. For comparison, a fixed-length run of 32 conversations (reference 2x) covers about 34% at the whole "
         "alpha (`bench/results/faults.md`, clean rows). *Round, plan*: conversations a round, and the look by which "
         "80% of alpha is spent (`linear`: alpha spread evenly over the looks, the design before 2026-12-05). "
-        "*Fired*: times the fault fired in each run.\n",
+        "*Fired*: times the fault fired in each run (over its candidates, fired and skipped, where recorded).\n",
         "| case | --detect | round, plan | runs | FAIL | PASS | UNKNOWN/ERROR | conversations (mean, range) | looks | "
         "fixed needs 20% / 10% | fired | wall (mean) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -109,10 +110,47 @@ def table(rows: list[dict[str, Any]]) -> str:
             + (f"{statistics.mean(n):.1f} ({min(n)}-{max(n)})" if n else "-")
             + f" | {', '.join(map(str, looks)) or '-'} | "
             + (f"{max(fixed20)} / {max(fixed10)}" if fixed20 and fixed10 else "-")
-            + f" | {', '.join(str(r['fired']) for r in rs) if any(r.get('fired') for r in rs) else '-'}"
+            + f" | {', '.join(map(_fired, rs)) if any(r.get('fired') for r in rs) else '-'}"
             + f" | {statistics.mean(r['wall_s'] for r in rs):.0f} s |"
         )
-    return "\n".join(out) + "\n"
+    return "\n".join(out + struck(rows)) + "\n"
+
+
+def _fired(r: dict[str, Any]) -> str:
+    return f"{r['fired']}/{r['fired'] + r['skipped']}" if r.get("skipped") is not None else str(r["fired"])
+
+
+def struck(rows: list[dict[str, Any]]) -> list[str]:
+    """Sporadic faults against what a PASS promises: FAIL among the runs whose fault fired at least Q times per
+    decode-region resume sent (Q the --detect asked), and among the rest. A fire may land on a boundary no graded
+    resume reads, so the first group may hold runs below Q; the split says which PASS runs broke no promise."""
+    resumes = {c.name: c.resumes for c in faults.CASES if c.fault is not None}
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r["case"] in resumes and r.get("planned_pass_look") and r.get("conversations"):
+            groups[(r["case"], r["detect"])].append(r)
+    if not groups:
+        return []
+    out = [
+        "",
+        "## Sporadic faults by how often they struck",
+        "",
+        "*At or above*: runs whose fault fired at least --detect times the decode-region resumes they sent "
+        "(conversations x resumes), the share a PASS at that --detect promises to see.",
+        "",
+        "| case | --detect | at or above: FAIL / runs | below: FAIL / runs | PASS runs' fires per resume |",
+        "|---|---|---|---|---|",
+    ]
+    for (case, detect), rs in sorted(groups.items()):
+        share = {id(r): r["fired"] / (r["conversations"] * resumes[case]) for r in rs}
+        above = [r for r in rs if share[id(r)] >= detect]
+        below = [r for r in rs if share[id(r)] < detect]
+        fails = {k: sum(r["status"] == "FAIL" for r in g) for k, g in (("above", above), ("below", below))}
+        passes = ", ".join(f"{share[id(r)]:.2f}" for r in rs if r["status"] == "PASS") or "-"
+        out.append(
+            f"| {case} | {detect:g} | {fails['above']} / {len(above)} | {fails['below']} / {len(below)} | {passes} |"
+        )
+    return out
 
 
 def main() -> int:
