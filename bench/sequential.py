@@ -141,15 +141,18 @@ def struck(rows: list[dict[str, Any]]) -> list[str]:
         "| case | --detect | at or above: FAIL / runs | below: FAIL / runs | PASS runs' fires per resume |",
         "|---|---|---|---|---|",
     ]
+
+    def share(r: dict[str, Any]) -> float:
+        return float(r["fired"]) / (r["conversations"] * resumes[r["case"]])
+
+    def fails(rs: list[dict[str, Any]]) -> str:
+        return f"{sum(r['status'] == 'FAIL' for r in rs)} / {len(rs)}"
+
     for (case, detect), rs in sorted(groups.items()):
-        share = {id(r): r["fired"] / (r["conversations"] * resumes[case]) for r in rs}
-        above = [r for r in rs if share[id(r)] >= detect]
-        below = [r for r in rs if share[id(r)] < detect]
-        fails = {k: sum(r["status"] == "FAIL" for r in g) for k, g in (("above", above), ("below", below))}
-        passes = ", ".join(f"{share[id(r)]:.2f}" for r in rs if r["status"] == "PASS") or "-"
-        out.append(
-            f"| {case} | {detect:g} | {fails['above']} / {len(above)} | {fails['below']} / {len(below)} | {passes} |"
-        )
+        above = [r for r in rs if share(r) >= detect]
+        below = [r for r in rs if share(r) < detect]
+        passes = ", ".join(f"{share(r):.2f}" for r in rs if r["status"] == "PASS") or "-"
+        out.append(f"| {case} | {detect:g} | {fails(above)} | {fails(below)} | {passes} |")
     return out
 
 
