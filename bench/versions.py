@@ -198,9 +198,10 @@ def stored_results(root: Path) -> dict[str, tuple[list[Outcome], str]]:
 def run_probe(
     version: str, probe: str, shared: Fleet, args: argparse.Namespace, out: Path, python: Path
 ) -> tuple[list[Outcome], str]:
-    roles = ("treatment", "control", "reference") if probe in OWN_TRIPLE else ("treatment",)
+    own = probe in OWN_TRIPLE
+    roles = ("treatment", "control", "reference") if own else ("treatment",)
     # A triple of its own sits above the shared pair's ports (base_port + 1, + 2).
-    base_port = args.base_port + 10 if probe in OWN_TRIPLE else args.base_port
+    base_port = args.base_port + 10 if own else args.base_port
     specs = build_specs(
         PROBE_PROFILES[probe], roles, base_port=base_port, cache_dir=args.cache_dir, vllm_version=version
     )
