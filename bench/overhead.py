@@ -2,8 +2,14 @@
 
     python bench/overhead.py [--conversations 32] [--seeds 1] [--base-port 8300]
         [--keep-runs runs/bench-overhead]
+    python bench/overhead.py --treatment URL --control URL --reference URL [--label gpu-tiny] ...
+    python bench/overhead.py --rebuild-table
 
-Starts the clean CPU trio (treatment, control, reference: bench/faults.py's `clean` case), then for each seed:
+Starts the clean CPU trio (treatment, control, reference: bench/faults.py's `clean` case), or, given all three
+URLs (loopback only: the replay must not cross a network the run did not), measures those servers and starts
+none: e.g. the gpu-tiny triple on the lent GPU machine, whose 16 cores the client does not share with the servers
+as it does the build machine's two. Each row records which servers it measured (`servers`: "cpu trio", or the
+--label with the device `nvidia-smi` names). Then for each seed:
 
 0. a first `blackbox run` of the seed, kept as the *cold* figures only: on fresh servers torch inductor compiles
    kernels at each new batch shape (requests wait 15-40 s at first), which would be charged to whichever side
@@ -31,16 +37,19 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import ipaddress
 import json
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -203,22 +212,80 @@ def _blackbox(config: Any, folder: Path) -> tuple[Any, float, Sampler, float, fl
         store.close()
 
 
-def one(case: Any, fleet: Any, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    config = faults.run_config(case, fleet.urls, seed, args, args.conversations)
+ROLES = ("treatment", "control", "reference")
+CPU_TRIO = "cpu trio"
+
+
+def loopback(url: str) -> bool:
+    """Whether URL is http(s) on this machine (127.0.0.0/8, ::1 or localhost) with an explicit port."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return False
+    try:
+        if parts.port is None:
+            return False
+    except ValueError:
+        return False
+    if parts.hostname == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(parts.hostname).is_loopback
+    except ValueError:
+        return False
+
+
+def given_urls(args: argparse.Namespace) -> dict[str, str] | None:
+    """The servers named on the command line (all three roles, loopback only), or None to start the CPU trio."""
+    urls = {role: getattr(args, role) for role in ROLES if getattr(args, role)}
+    if not urls:
+        return None
+    missing = [role for role in ROLES if role not in urls]
+    if missing:
+        raise ValueError(f"give all three of --treatment, --control, --reference (missing: {', '.join(missing)})")
+    far = [url for url in urls.values() if not loopback(url)]
+    if far:
+        raise ValueError(f"only loopback servers (127.0.0.1, ::1, localhost, with a port): {', '.join(far)}")
+    return {role: url.rstrip("/") for role, url in urls.items()}
+
+
+def gpu_name() -> str | None:
+    """The first GPU `nvidia-smi` names, or None where there is none."""
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    return names[0] if proc.returncode == 0 and names else None
+
+
+def servers_label(label: str | None, given: bool, device: str | None) -> str:
+    """What a row measured: the CPU trio this script starts, or the given servers (--label) on the device."""
+    if not given:
+        return CPU_TRIO
+    name = label or "given servers"
+    return f"{name} on {device}" if device else name
+
+
+def one(case: Any, urls: Mapping[str, str], seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    config = faults.run_config(case, urls, seed, args, args.conversations)
     cold = args.keep_runs / f"overhead-s{seed}-n{args.conversations}-cold"
     _, cold_wall, _, _, _ = _blackbox(config, cold)
     # The cold run's requests replayed before the measured run as well as its own after it, so that servers
     # growing faster (or slower) over the sitting show as two replays that disagree, not as blackbox's cost.
-    before, _, _, _ = asyncio.run(
-        sampled_replay(chats(cold), fleet.urls, config.concurrency, f"replay-{time.time_ns()}", [])
-    )
+    before, _, _, _ = asyncio.run(sampled_replay(chats(cold), urls, config.concurrency, f"replay-{time.time_ns()}", []))
     folder = args.keep_runs / f"overhead-s{seed}-n{args.conversations}"
     result, wall, sampler, started, cpu = _blackbox(config, folder)
     exchanges = chats(folder)
     a, b = conversation_phase(exchanges, started)
     timings: list[dict[str, Any]] = []
     raw, replay_sampler, replay_started, replay_cpu = asyncio.run(
-        sampled_replay(exchanges, fleet.urls, config.concurrency, f"replay-{time.time_ns()}", timings)
+        sampled_replay(exchanges, urls, config.concurrency, f"replay-{time.time_ns()}", timings)
     )
     idle = {role: sampler.idle(role, a, b) for role in sampler.urls}
     replay_idle = {
@@ -247,10 +314,18 @@ def one(case: Any, fleet: Any, seed: int, args: argparse.Namespace) -> dict[str,
     }
 
 
+def servers_of(row: Mapping[str, Any]) -> str:
+    """The row's servers; rows from before the key (2026-12-03 to 2026-12-06) all measured the CPU trio."""
+    return str(row.get("servers") or CPU_TRIO)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     out = [
-        "# blackbox against a raw replay of its own requests (CPU trio)\n",
+        "# blackbox against a raw replay of its own requests (CPU trio and GPU servers)\n",
         "Rebuilt by `bench/overhead.py` from `overhead.jsonl` (each line has its command, date and commit). "
+        "*Servers*: what was measured: the CPU trio the script starts on the build machine (two cores shared by "
+        "the three servers and the client; rows without the key are these), or servers started beforehand and "
+        "given by URL, named by `--label` and the GPU `nvidia-smi` names (16 cores there, the client's own). "
         "*blackbox*: the whole `blackbox run` (server checks, planning with /tokenize, conversations, /metrics "
         "settling, grading, report). *Phase*: first request sent to last answer back. *Replay*: the same chat "
         "requests, bodies as recorded and the cache salted anew, by a bare httpx loop at the same concurrency. "
@@ -261,23 +336,23 @@ def table(rows: list[dict[str, Any]]) -> str:
         "(from 2026-12-05 on it polls both sides, so both pay its /metrics requests; before, the blackbox run "
         "alone). *Replay before*: the cold run's requests replayed between the cold and the measured run (from "
         "2026-12-06 on), against drift of the servers' speed over the sitting. *Client CPU*: seconds of CPU the "
-        "blackbox process / the replay loop used (the servers share the machine's two cores with it).\n",
-        "| date | seed | conversations | requests | verdict | cold | blackbox | phase | replay | ratio | "
+        "blackbox process / the replay loop used (on the CPU trio the servers share the machine's two cores with "
+        "it).\n",
+        "| date | servers | seed | conversations | requests | verdict | cold | blackbox | phase | replay | ratio | "
         "phase / replay | idle (treatment, control, reference) | replay idle | replay before | client CPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fractions(r: dict[str, Any], key: str) -> str:
         if key not in r:  # rows before 2026-12-05 sampled the blackbox run only
             return "-"
-        return ", ".join(
-            "-" if r[key].get(k) is None else f"{r[key][k]:.0%}" for k in ("treatment", "control", "reference")
-        )
+        return ", ".join("-" if r[key].get(k) is None else f"{r[key][k]:.0%}" for k in ROLES)
 
     for r in rows:
         idle = fractions(r, "idle_fraction")
         out.append(
-            f"| {r['date']} | {r['seed']} | {r['conversations']} | {r['requests']} | {r['status']} | "
+            f"| {r['date']} | {servers_of(r)} | {r['seed']} | {r['conversations']} | {r['requests']} | "
+            f"{r['status']} | "
             + (f"{r['cold_blackbox_wall_s']:.0f} s" if r.get("cold_blackbox_wall_s") else "-")
             + f" | {r['blackbox_wall_s']:.0f} s | {r['conversation_phase_s']:.0f} s | {r['replay_wall_s']:.0f} s | "
             f"{r['ratio']:.3f} | {r['phase_ratio']:.3f} | {idle} | {fractions(r, 'replay_idle_fraction')} | "
@@ -286,15 +361,20 @@ def table(rows: list[dict[str, Any]]) -> str:
             + (f"{r['client_cpu_s']:.0f} s / {r['replay_client_cpu_s']:.0f} s" if "client_cpu_s" in r else "-")
             + " |"
         )
-    if rows:
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[servers_of(r)].append(r)
+    if groups:
+        out.append("")
+    for servers, group in groups.items():  # a mean across CPU and GPU rows would mean nothing
         out.append(
-            f"\nMean ratio {statistics.mean(r['ratio'] for r in rows):.3f}, "
-            f"mean phase / replay {statistics.mean(r['phase_ratio'] for r in rows):.3f} over {len(rows)} runs."
+            f"{servers}: mean ratio {statistics.mean(r['ratio'] for r in group):.3f}, "
+            f"mean phase / replay {statistics.mean(r['phase_ratio'] for r in group):.3f} over {len(group)} runs."
         )
     return "\n".join(out) + "\n"
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--seeds", type=int, default=1)
@@ -304,29 +384,58 @@ def main() -> int:
     parser.add_argument("--base-port", type=int, default=8300)
     parser.add_argument("--cache-dir", type=Path, default=Path(".blackbox-cache"))
     parser.add_argument("--keep-runs", type=Path, default=Path("runs/bench-overhead"))
-    args = parser.parse_args()
-    stamp = {
-        "command": shlex.join(["python", "bench/overhead.py", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "commit": faults._commit(),
-    }
-    args.keep_runs.mkdir(parents=True, exist_ok=True)
-    case = faults.select("clean")[0]
-    fleet = faults.fleet_for(case, args, args.keep_runs / "servers")
-    with fleet, fleet.handle_signals():
-        fleet.start()
-        for seed in range(args.seed_start, args.seed_start + args.seeds):
-            row = {**one(case, fleet, seed, args), **stamp}
-            faults.append_run(RUNS_FILE, row)
-            print(
-                f"seed {seed}: blackbox {row['blackbox_wall_s']} s (phase {row['conversation_phase_s']} s), replay "
-                f"{row['replay_wall_s']} s, ratio {row['ratio']}, idle {row['idle_fraction']}",
-                flush=True,
-            )
+    for role in ROLES:
+        parser.add_argument(f"--{role}", metavar="URL", help="a running server (all three or none; loopback only)")
+    parser.add_argument("--label", help="what the given servers are, e.g. gpu-tiny (the GPU's name is added)")
+    parser.add_argument("--commit", help="the commit measured, where the copy has no git (default: git describe)")
+    parser.add_argument("--rebuild-table", action="store_true", help="only rebuild overhead.md from the jsonl")
+    args = parser.parse_args(argv)
+    try:
+        args.urls = given_urls(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.label and args.urls is None:
+        parser.error("--label names given servers: use it with --treatment, --control and --reference")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.rebuild_table:
+        measure(args)
     rows = faults.load_runs(RUNS_FILE)
     TABLE_FILE.write_text(table(rows))
     print(f"{TABLE_FILE} rebuilt from {len(rows)} runs")
     return 0
+
+
+def measure(args: argparse.Namespace) -> None:
+    device = gpu_name() if args.urls else None
+    stamp = {
+        "command": shlex.join(["python", "bench/overhead.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "commit": args.commit or faults._commit(),
+        "servers": servers_label(args.label, args.urls is not None, device),
+    }
+    args.keep_runs.mkdir(parents=True, exist_ok=True)
+    case = faults.select("clean")[0]
+    with contextlib.ExitStack() as stack:
+        urls = args.urls
+        if urls is None:
+            fleet = faults.fleet_for(case, args, args.keep_runs / "servers")
+            stack.enter_context(fleet)
+            stack.enter_context(fleet.handle_signals())
+            fleet.start()
+            urls = fleet.urls
+        for seed in range(args.seed_start, args.seed_start + args.seeds):
+            row = {**one(case, urls, seed, args), **stamp}
+            faults.append_run(RUNS_FILE, row)
+            print(
+                f"seed {seed} ({row['servers']}): blackbox {row['blackbox_wall_s']} s (phase "
+                f"{row['conversation_phase_s']} s), replay {row['replay_before_wall_s']} s before, "
+                f"{row['replay_wall_s']} s after, ratio {row['ratio']}, idle {row['idle_fraction']}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
