@@ -69,6 +69,8 @@ RUNS_FILE = RESULTS / "overhead.jsonl"
 TABLE_FILE = RESULTS / "overhead.md"
 SAMPLE_S = 0.2
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+TRANSIENT = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+ATTEMPTS = 4
 
 
 class Sampler:
@@ -123,13 +125,14 @@ async def sampled_replay(
     concurrency: int,
     salt: str,
     timings: list[dict[str, Any]],
+    retries: list[str] | None = None,
 ) -> tuple[float, Sampler, float, float]:
     """The replay under the same idle sampler as the blackbox run, so both sides pay its /metrics polling."""
     sampler = Sampler(urls)
     task = asyncio.create_task(sampler.loop())
     started, cpu = time.monotonic(), time.process_time()
     try:
-        wall = await replay(exchanges, urls, concurrency, salt, timings)
+        wall = await replay(exchanges, urls, concurrency, salt, timings, retries)
     finally:
         cpu = time.process_time() - cpu
         sampler.stop()
@@ -164,6 +167,8 @@ async def replay(
     concurrency: int,
     salt: str,
     timings: list[dict[str, Any]],
+    retries: list[str] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> float:
     """Every recorded request again, in the run's order per (conversation, server), with a fresh cache_salt; a
     control request waits for its conversation's first treatment answer, as the run's must."""
@@ -173,7 +178,8 @@ async def replay(
     order = sorted(chains, key=lambda c: min(e["started_s"] for es in chains[c].values() for e in es))
     bound = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+    retries = [] if retries is None else retries  # the arm of each request sent again after a transport error
+    async with httpx.AsyncClient(timeout=600, limits=limits, transport=transport) as http:
 
         async def chain(arm: str, requests: list[dict[str, Any]], first: asyncio.Event) -> None:
             if arm == "control":  # its prompt holds the treatment's turn-1 answer: it cannot be sent before that
@@ -183,7 +189,14 @@ async def replay(
                 if isinstance(body.get("cache_salt"), str):
                     body["cache_salt"] = f"{salt}-{body['cache_salt']}"
                 sent = time.monotonic()
-                response = await http.post(f"{urls[arm]}/v1/chat/completions", json=body)
+                for attempt in range(1, ATTEMPTS + 1):
+                    try:
+                        response = await http.post(f"{urls[arm]}/v1/chat/completions", json=body)
+                        break
+                    except TRANSIENT:  # e.g. a keep-alive connection the server closed: blackbox's client
+                        if attempt == ATTEMPTS:  # retries these too (blackbox/client.py), so the replay does
+                            raise
+                        retries.append(arm)
                 response.raise_for_status()
                 timings.append(  # each request's latency, to set beside the run's (`latencies`)
                     {"arm": arm, "kind": e.get("kind"), "elapsed_s": time.monotonic() - sent}
@@ -278,14 +291,17 @@ def one(case: Any, urls: Mapping[str, str], seed: int, args: argparse.Namespace)
     _, cold_wall, _, _, _ = _blackbox(config, cold)
     # The cold run's requests replayed before the measured run as well as its own after it, so that servers
     # growing faster (or slower) over the sitting show as two replays that disagree, not as blackbox's cost.
-    before, _, _, _ = asyncio.run(sampled_replay(chats(cold), urls, config.concurrency, f"replay-{time.time_ns()}", []))
+    retries: list[str] = []
+    before, _, _, _ = asyncio.run(
+        sampled_replay(chats(cold), urls, config.concurrency, f"replay-{time.time_ns()}", [], retries)
+    )
     folder = args.keep_runs / f"overhead-s{seed}-n{args.conversations}"
     result, wall, sampler, started, cpu = _blackbox(config, folder)
     exchanges = chats(folder)
     a, b = conversation_phase(exchanges, started)
     timings: list[dict[str, Any]] = []
     raw, replay_sampler, replay_started, replay_cpu = asyncio.run(
-        sampled_replay(exchanges, urls, config.concurrency, f"replay-{time.time_ns()}", timings)
+        sampled_replay(exchanges, urls, config.concurrency, f"replay-{time.time_ns()}", timings, retries)
     )
     idle = {role: sampler.idle(role, a, b) for role in sampler.urls}
     replay_idle = {
@@ -310,6 +326,7 @@ def one(case: Any, urls: Mapping[str, str], seed: int, args: argparse.Namespace)
         "client_cpu_s": round(cpu, 1),
         "latencies": latencies(exchanges, timings),
         "replay_client_cpu_s": round(replay_cpu, 1),
+        "replay_retries": len(retries),  # requests of both replays sent again after a transport error
         "samples": {role: len(s) for role, s in sampler.samples.items()},
     }
 

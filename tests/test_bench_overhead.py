@@ -137,3 +137,35 @@ def test_rebuild_table_measures_nothing(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.setattr(overhead, "measure", lambda args: pytest.fail("--rebuild-table measured"))
     assert overhead.main(["--rebuild-table"]) == 0
     assert "| gpu-tiny on NVIDIA H100 | 600 |" in (tmp_path / "overhead.md").read_text()
+
+
+def test_the_replay_sends_again_a_request_whose_connection_broke() -> None:
+    import asyncio
+
+    import httpx
+
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(json.loads(request.content)["cache_salt"])
+        if len(calls) == 1:  # a keep-alive connection the server closed
+            raise httpx.ReadError("closed", request=request)
+        return httpx.Response(200, json={"choices": []})
+
+    exchanges = [
+        {"conversation": 0, "arm": "treatment", "kind": "turn1", "started_s": 0.0, "request": {"cache_salt": "a"}},
+        {"conversation": 0, "arm": "control", "kind": "turn1", "started_s": 0.1, "request": {"cache_salt": "b"}},
+    ]
+    urls = {"treatment": "http://127.0.0.1:1", "control": "http://127.0.0.1:2"}
+    timings: list[dict[str, Any]] = []
+    retries: list[str] = []
+    asyncio.run(overhead.replay(exchanges, urls, 8, "s", timings, retries, httpx.MockTransport(handler)))
+    assert calls == ["s-a", "s-a", "s-b"]
+    assert retries == ["treatment"]
+    assert [t["arm"] for t in timings] == ["treatment", "control"]
+
+    def broken(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadError("closed", request=request)
+
+    with pytest.raises(httpx.ReadError):  # a server that stays gone still ends the replay
+        asyncio.run(overhead.replay(exchanges, urls, 8, "s", [], [], httpx.MockTransport(broken)))
