@@ -23,6 +23,7 @@
 #   start-load, load, loadlogs: the load probe (blackbox run --probe load) with async scheduling on, each triple
 #             with a KV cache too small for the probe's conversations (LOAD_SPECS; eighth sitting,
 #             bench/results/gpu-load.md); `send` then ships records and small files, `loadlogs` the server logs
+#   start-oh, oh: bench/overhead.py over seeds on one PIECEWISE gpu-tiny triple alone (issue 24)
 #   onegpu    stop every server, then the launcher's own one-GPU mode (three roles, memory fractions, one by
 #             one) and a clean blackbox run against it
 #
@@ -456,6 +457,37 @@ PY
     cat "$W"/logs/digest-load-*.out 2>/dev/null
 }
 
+# Issue 24: bench/overhead.py (blackbox against a raw replay of its own requests) on one gpu-tiny triple alone on
+# the GPU, PIECEWISE as every sitting since the fourth (eager takes ~3x as long a run): treatment at OH_PORT (8600),
+# control +1, reference +2. `oh` runs seeds one after another, one overhead.py call each (a cold run, a replay, the
+# measured run, a replay: ~4 runs' time), from OH_SEED0 (600) on, counted on across calls, while OH_ROOM seconds
+# (default 280) are left for one more; each row is copied to $W/overhead.jsonl as it lands. OH_LABEL names the
+# servers (the GPU's name is added), OH_COMMIT the commit the copy was made from (it has no git).
+start_oh() {
+    local p=${OH_PORT:-8600}
+    $D serve t-oh treatment "$p" -- "${KV[@]}" "${PW[@]}"
+    $D serve c-oh control $((p + 1)) -- "${KV[@]}" "${PW[@]}"
+    $D serve r-oh reference $((p + 2)) -- "${KV[@]}" "${PW[@]}"
+}
+
+oh() {
+    local p=${OH_PORT:-8600} seed budget
+    $D wait $(($(left) - ${OH_ROOM:-280})) "$p" $((p + 1)) $((p + 2))
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+    while (($(left) > ${OH_ROOM:-280})) && healthy "$p" && healthy $((p + 1)) && healthy $((p + 2)); do
+        seed=$(cat "$W/seed-oh" 2>/dev/null || echo "${OH_SEED0:-600}")
+        echo $((seed + 1)) >"$W/seed-oh"
+        budget=$(($(left) - 5))
+        echo "[$(date -u +%H:%M:%S)] overhead seed $seed (${budget}s left)"
+        (cd "$W/bb" && timeout "$budget" python3 bench/overhead.py --treatment "$(url "$p")" \
+            --control "$(url $((p + 1)))" --reference "$(url $((p + 2)))" --label "${OH_LABEL:-gpu-tiny}" \
+            --seeds 1 --seed-start "$seed" --commit "${OH_COMMIT:-unknown}" --keep-runs "$W/runs/overhead") \
+            >>"$W/logs/overhead.out" 2>&1
+        echo "[$(date -u +%H:%M:%S)] overhead seed $seed exit $?"
+        cp "$W/bb/bench/results/overhead.jsonl" "$W/overhead.jsonl"
+    done
+}
+
 # The finished run folders not yet sent, as one solid xz tarball split in 15 MiB parts (at most 8 files, 64 MiB
 # come back a call): join with `cat runs-CALL.tar.xz.part-* | xz -d | tar x`. A run the device has judged (its
 # record.json, fourth sitting) travels as that record and its small files, without the exchanges (~12 MB as xz at 64
@@ -511,6 +543,8 @@ for step in "$@"; do
         (cd "$W/logs" && tar cf - ./*load* 2>/dev/null) | xz -T0 -6 >"$OUT/load-logs.tar.xz"
         ls -la "$OUT" ;;
     v5) v4 "$V5_SPECS" ;;
+    start-oh) start_oh ;;
+    oh) oh ;;
     send) send ;;
     onegpu) onegpu ;;
     kernels) (cd "$W/bb" && python3 -m servers.gpu.compare_kernels --seeds "${KERNEL_SEEDS:-200}") ;;
