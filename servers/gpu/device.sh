@@ -34,7 +34,12 @@ install)
     stamp install start
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" \
         "$W"/stash/*/whl/*.whl 2>&1 | grep -v "already exists" || true
-    cat "$W"/stash/*/vllm.tar.xz.part-* | xz -d -T0 | tar x -C "$W/site" || exit 1
+    # The vLLM tarball's parts, in order (p1, p2, ...): xz, or gzip (assemble.sh BBGPU_FAST=1).
+    if compgen -G "$W/stash/*/vllm.tar.gz.part-*" >/dev/null; then
+        cat "$W"/stash/*/vllm.tar.gz.part-* | gzip -d | tar x -C "$W/site" || exit 1
+    else
+        cat "$W"/stash/*/vllm.tar.xz.part-* | xz -d -T0 | tar x -C "$W/site" || exit 1
+    fi
     tar xf "$W"/stash/*/bb.tar -C "$W/bb" || exit 1
     # An entry point for vLLM's plugin loader (the repo is on PYTHONPATH, not pip-installed).
     info="$W/site/blackbox-0.1.0.dist-info"
