@@ -461,8 +461,9 @@ PY
 # the GPU, PIECEWISE as every sitting since the fourth (eager takes ~3x as long a run): treatment at OH_PORT (8600),
 # control +1, reference +2. `oh` runs seeds one after another, one overhead.py call each (a cold run, a replay, the
 # measured run, a replay: ~4 runs' time), from OH_SEED0 (600) on, counted on across calls, while OH_ROOM seconds
-# (default 280) are left for one more; each row is copied to $W/overhead.jsonl as it lands. OH_LABEL names the
-# servers (the GPU's name is added), OH_COMMIT the commit the copy was made from (it has no git).
+# (default 280), or the last seed's time plus 20 s if more, are left for one more; each row is copied to
+# $W/overhead.jsonl as it lands. OH_LABEL names the servers (the GPU's name is added), OH_COMMIT the commit the copy
+# was made from (it has no git).
 start_oh() {
     local p=${OH_PORT:-8600}
     $D serve t-oh treatment "$p" -- "${KV[@]}" "${PW[@]}"
@@ -471,19 +472,22 @@ start_oh() {
 }
 
 oh() {
-    local p=${OH_PORT:-8600} seed budget
-    $D wait $(($(left) - ${OH_ROOM:-280})) "$p" $((p + 1)) $((p + 2))
+    local p=${OH_PORT:-8600} seed budget room=${OH_ROOM:-280} t0
+    $D wait $(($(left) - room)) "$p" $((p + 1)) $((p + 2))
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-    while (($(left) > ${OH_ROOM:-280})) && healthy "$p" && healthy $((p + 1)) && healthy $((p + 2)); do
+    while (($(left) > room)) && healthy "$p" && healthy $((p + 1)) && healthy $((p + 2)); do
         seed=$(cat "$W/seed-oh" 2>/dev/null || echo "${OH_SEED0:-600}")
         echo $((seed + 1)) >"$W/seed-oh"
         budget=$(($(left) - 5))
+        t0=$(date +%s)
         echo "[$(date -u +%H:%M:%S)] overhead seed $seed (${budget}s left)"
         (cd "$W/bb" && timeout "$budget" python3 bench/overhead.py --treatment "$(url "$p")" \
             --control "$(url $((p + 1)))" --reference "$(url $((p + 2)))" --label "${OH_LABEL:-gpu-tiny}" \
             --seeds 1 --seed-start "$seed" --commit "${OH_COMMIT:-unknown}" --keep-runs "$W/runs/overhead") \
             >>"$W/logs/overhead.out" 2>&1
         echo "[$(date -u +%H:%M:%S)] overhead seed $seed exit $?"
+        # The room for one more: OH_ROOM, or the last seed's time plus 20 s if more.
+        room=$((${OH_ROOM:-280} > $(date +%s) - t0 + 20 ? ${OH_ROOM:-280} : $(date +%s) - t0 + 20))
         cp "$W/bb/bench/results/overhead.jsonl" "$W/overhead.jsonl"
     done
 }
