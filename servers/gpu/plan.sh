@@ -461,8 +461,8 @@ PY
 # the GPU, PIECEWISE as every sitting since the fourth (eager takes ~3x as long a run): treatment at OH_PORT (8600),
 # control +1, reference +2. `oh` runs seeds one after another, one overhead.py call each (a cold run, a replay, the
 # measured run, a replay: ~4 runs' time), from OH_SEED0 (600) on, counted on across calls, while OH_ROOM seconds
-# (default 280), or the last seed's time plus 20 s if more, are left for one more; each row is copied to
-# $W/overhead.jsonl as it lands. OH_LABEL names the servers (the GPU's name is added), OH_COMMIT the commit the copy
+# (default 280), or the last seed's time plus 20 s if more, are left for one more; each new row (not the CPU rows the
+# copy's overhead.jsonl came with) is copied to $W/overhead.jsonl as it lands, ready to append here. OH_LABEL names the servers (the GPU's name is added), OH_COMMIT the commit the copy
 # was made from (it has no git).
 start_oh() {
     local p=${OH_PORT:-8600}
@@ -472,7 +472,8 @@ start_oh() {
 }
 
 oh() {
-    local p=${OH_PORT:-8600} seed budget room=${OH_ROOM:-280} t0
+    local p=${OH_PORT:-8600} seed budget room=${OH_ROOM:-280} t0 took rows="$W/bb/bench/results/overhead.jsonl" had
+    had=$(wc -l <"$rows")
     $D wait $(($(left) - room)) "$p" $((p + 1)) $((p + 2))
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     while (($(left) > room)) && healthy "$p" && healthy $((p + 1)) && healthy $((p + 2)); do
@@ -487,8 +488,9 @@ oh() {
             >>"$W/logs/overhead.out" 2>&1
         echo "[$(date -u +%H:%M:%S)] overhead seed $seed exit $?"
         # The room for one more: OH_ROOM, or the last seed's time plus 20 s if more.
-        room=$((${OH_ROOM:-280} > $(date +%s) - t0 + 20 ? ${OH_ROOM:-280} : $(date +%s) - t0 + 20))
-        cp "$W/bb/bench/results/overhead.jsonl" "$W/overhead.jsonl"
+        took=$(($(date +%s) - t0 + 20))
+        room=$((took > ${OH_ROOM:-280} ? took : ${OH_ROOM:-280}))
+        tail -n +$((had + 1)) "$rows" >"$W/overhead.jsonl"
     done
 }
 
