@@ -386,7 +386,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     for servers, group in groups.items():  # a mean across CPU and GPU rows would mean nothing
         out.append(
             f"{servers}: mean ratio {statistics.mean(r['ratio'] for r in group):.3f}, "
-            f"mean phase / replay {statistics.mean(r['phase_ratio'] for r in group):.3f} over {len(group)} runs."
+            f"mean phase / replay {statistics.mean(r['phase_ratio'] for r in group):.3f} "
+            f"over {len(group)} run{'s' * (len(group) != 1)}."
         )
     return "\n".join(out) + "\n"
 
