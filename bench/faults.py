@@ -102,13 +102,15 @@ class Case:
     @property
     def conversational(self) -> bool:
         """Its length is --conversations (the held-prefix probe holds half as many prefixes), not race rounds."""
-        return self.probe in ("multiturn", "held-prefix", "short-follow-up", "load", "hit-geometry")
+        return self.probe in ("multiturn", "held-prefix", "short-follow-up", "load", "preemption", "hit-geometry")
 
     @property
     def has_yardstick(self) -> bool:
         """Only a multiturn or held-prefix run with a reference has one (--reference-ratio)."""
         return (
-            self.reference and not self.alone and self.probe in ("multiturn", "held-prefix", "short-follow-up", "load")
+            self.reference
+            and not self.alone
+            and self.probe in ("multiturn", "held-prefix", "short-follow-up", "load", "preemption")
         )
 
     def ratio(self, asked: int) -> int:
@@ -229,11 +231,25 @@ CASES += (
         reference_args=_BUDGET,
         new_probe=True,
     ),
+    # Turn 1s preempted while they are written, each graded over its whole answer (the preemption probe): clean,
+    # its benign variants, and against a cache that holds them (UNKNOWN, not PASS).
+    Case("clean preemption", "preemption", "cpu-tiny-preempt", new_probe=True),
+    Case("clean preemption big cache", "preemption", new_probe=True),
+    Case("clean 1 spec token preemption", "preemption", "cpu-tiny-preempt", spec_tokens=1, new_probe=True),
+    Case(
+        "clean fragmented preemption",
+        "preemption",
+        "cpu-tiny-preempt",
+        treatment_args=_BUDGET,
+        reference_args=_BUDGET,
+        new_probe=True,
+    ),
     *(
         Case(f"{fault} {probe}", probe, profile, fault=fault, new_probe=True)
         for fault in ("recycled-block", "preempted-resume")
         for probe, profile in (
             ("load", "cpu-tiny-load"),
+            ("preemption", "cpu-tiny-preempt"),
             ("multiturn", "cpu-tiny"),
             ("held-prefix", "cpu-tiny"),
             ("short-follow-up", "cpu-tiny"),
@@ -310,7 +326,7 @@ def select(spec: str) -> list[Case]:
 def smallest_failing(history: History, config: RunConfig) -> int | None:
     """The fewest leading conversations (race rounds) whose re-judged verdict is still FAIL. A run of n
     conversations has the reference's 0..ratio*n-1 as well: those of the treatment's n.. count as yardstick."""
-    if config.probes in (("held-prefix",), ("short-follow-up",), ("load",)):
+    if config.probes in (("held-prefix",), ("short-follow-up",), ("load",), ("preemption",)):
         return _smallest_failing_held(history, config, config.probes[0])
     units = history.plans if config.probes == ("multiturn",) else history.races
     every = {p.index: p for p in history.plans_of(Arm.REFERENCE)}

@@ -38,7 +38,7 @@ from servers.launch import Fleet
 from servers.profiles import FRAGMENTED_BATCHED_TOKENS, ServerSpec, build_specs
 
 VERSIONS = ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")
-# The load probe needs every arm on a small cache (cpu-tiny-load), which the shared control and reference are not.
+# The load and preemption probes need every arm on a small cache, which the shared control and reference are not.
 PROBE_PROFILES = {
     "multiturn": "cpu-tiny",
     "cold-race": "cpu-tiny-fragmented",
@@ -46,9 +46,10 @@ PROBE_PROFILES = {
     "short-follow-up": "cpu-tiny",
     "hit-geometry": "cpu-tiny",
     "load": "cpu-tiny-load",
+    "preemption": "cpu-tiny-preempt",
 }
 # Probes whose every arm needs the probe's profile: they get a triple of their own, not the shared pair.
-OWN_TRIPLE = frozenset({"load"})
+OWN_TRIPLE = frozenset({"load", "preemption"})
 REPO = Path(__file__).resolve().parent.parent
 READY = ".blackbox-ready"  # holds the checkout the venv's editable install points at
 READING = "## Reading these results"  # the hand-written part of the results file, kept on rewrite
@@ -71,6 +72,8 @@ FIGURE_CHECKS = (
     "sweep-exactness",
     "load-trigger",
     "load",
+    "preempt-trigger",
+    "preemption",
 )
 
 

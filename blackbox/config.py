@@ -16,7 +16,7 @@ __all__ = ["GRADERS", "PROBES", "Grading", "RaceSettings", "RunConfig"]
 GRADERS = ("exactness", "recall", "logprob")
 # The names of the probes in `blackbox.probes.PROBES`, in the order they run (a test checks the two agree; the
 # registry imports this module, so this one cannot import it).
-PROBES = ("multiturn", "cold-race", "held-prefix", "short-follow-up", "load", "hit-geometry")
+PROBES = ("multiturn", "cold-race", "held-prefix", "short-follow-up", "load", "preemption", "hit-geometry")
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,7 @@ def compare(treatment: ServerInfo, other: ServerInfo) -> tuple[list[Difference],
 
 
 # Probes whose graders use the reference's hits as their yardstick (the cold race's is the treatment's own racers).
-REFERENCE_GRADED = frozenset({"multiturn", "held-prefix", "short-follow-up", "load", "hit-geometry"})
+REFERENCE_GRADED = frozenset({"multiturn", "held-prefix", "short-follow-up", "load", "preemption", "hit-geometry"})
 
 
 def check(infos: Mapping[str, ServerInfo], probes: Sequence[str] = ("multiturn",)) -> Finding:

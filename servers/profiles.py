@@ -84,6 +84,15 @@ LOAD_KV_ARGS: tuple[str, ...] = (
     "--num-gpu-blocks-override", "170", "--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0",
 )  # fmt: skip
 
+# A KV cache too small for the preemption probe's turn 1s (blackbox/probes/preemption.py): 8 running at once must be
+# preempted, 2 recomputed at once fit. The same block count holds twice the tokens on the reference (no MTP layer
+# shares its pages): 80 blocks are 4,818 tokens on the treatment, 9,637 on the reference, which then preempted
+# nothing while the treatment preempted 25 times (16 turn 1s, 8 in flight an arm, 2026-12-06). So the reference gets
+# half the blocks, the same tokens.
+PREEMPT_BLOCKS = 80
+PREEMPT_KV_ARGS: tuple[str, ...] = ("--num-gpu-blocks-override", str(PREEMPT_BLOCKS))
+PREEMPT_REFERENCE_ARGS: tuple[str, ...] = ("--num-gpu-blocks-override", str(PREEMPT_BLOCKS // 2))
+
 
 @dataclass(frozen=True)
 class ServerSpec:
@@ -128,6 +137,7 @@ class Profile:
     tensor_parallel: int = 1
     args: tuple[str, ...] = ()
     speculative_config: Mapping[str, Any] = field(default_factory=lambda: dict(DEFAULT_SPECULATIVE_CONFIG))
+    per_role: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # flags of one role, after `args`
 
 
 _CPU_ARGS = ("--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "8", *CPU_COMPILE_ARGS)
@@ -161,6 +171,13 @@ PROFILES: Mapping[str, Profile] = {
             args=(*_CPU_ARGS, "--max-num-batched-tokens", str(FRAGMENTED_BATCHED_TOKENS)),
         ),
         Profile("cpu-tiny-load", "cpu", None, args=(*_CPU_ARGS, *LOAD_KV_ARGS)),
+        Profile(
+            "cpu-tiny-preempt",
+            "cpu",
+            None,
+            args=(*_CPU_ARGS, *PREEMPT_KV_ARGS),
+            per_role={"reference": PREEMPT_REFERENCE_ARGS},
+        ),
         # The tiny model trained to recall its documents' needles (servers/recall_model.py): the recall grader and
         # the single-endpoint mode without a reference run against it.
         Profile("cpu-tiny-recall", "cpu", None, args=_CPU_ARGS),
@@ -315,7 +332,8 @@ def build_specs(
     specs = []
     for role in roles:
         env = {**role_env[role], "VLLM_SERVER_DEV_MODE": "1", **_plugin_env(prof, role, fault)}
-        args = (*prof.args, *role_device_args[role], *role_args(role, spec_config, retention), *extra_args)
+        own = prof.per_role.get(role, ())
+        args = (*prof.args, *own, *role_device_args[role], *role_args(role, spec_config, retention), *extra_args)
         port = base_port + ROLES.index(role)
         specs.append(ServerSpec(role, model_id, served, port, args, env, prof.device))
     return specs

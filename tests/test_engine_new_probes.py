@@ -135,3 +135,34 @@ def test_the_load_probe_catches_restores_wrong_only_on_blocks_recycled_under_pre
     assert "async scheduling off (vLLM's CPU backend forces it off" in trigger["reason"], output
     assert (code, verdict["error_class"]) == (1, "CorruptionDetected"), output
     assert _finding(verdict, "load")["status"] == "FAIL", output
+
+
+def test_the_preemption_probe_catches_a_resume_wrong_only_after_a_preemption(tmp_path: Path) -> None:
+    """preempted-resume is wrong only for a request rescheduled after a preemption, whose own resume no client can
+    see (its hit is in no usage and no metric). The preemption probe preempts turn 1s on a small cache
+    (cpu-tiny-preempt on both arms) and grades each whole answer against its recomputation alone."""
+    specs = build_specs(
+        "cpu-tiny-preempt", ("treatment", "reference"), base_port=LOAD_PORT, cache_dir=CACHE, fault="preempted-resume"
+    )
+    with Fleet(specs, tmp_path / "servers") as fleet:
+        fleet.start()
+        code, output, _, verdict = blackbox_cli(
+            tmp_path / "runs",
+            "--treatment",
+            fleet.urls["treatment"],
+            "--reference",
+            fleet.urls["reference"],
+            "--probe",
+            "preemption",
+            "--conversations",
+            "16",
+            "--seed",
+            "31",
+        )
+        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get("preempted-resume", 0)
+    assert fired > 0, f"preempted-resume never fired\n{output}"
+    trigger = _finding(verdict, "preempt-trigger")
+    assert trigger["status"] == "PASS" and trigger["figures"]["reference_preemptions"] > 0, output
+    assert "cannot be seen over HTTP" in trigger["reason"], output
+    assert (code, verdict["error_class"]) == (1, "CorruptionDetected"), output
+    assert _finding(verdict, "preemption")["status"] == "FAIL", output

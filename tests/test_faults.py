@@ -459,8 +459,46 @@ def test_preempted_resume_fires_only_for_a_request_that_was_preempted(
     with caplog.at_level(logging.WARNING, logger="vllm.blackbox"):
         blocks, hit, _ = cache.manager.get_computed_blocks(cache.request)
     assert hit == 512
-    assert blocks.blocks[0][-1] is cache.mamba[384 if preempted else 512]
+    # Not the checkpoint just before (384): the one cached last at another boundary, whoever wrote it.
+    assert blocks.blocks[0][-1] is cache.mamba[640 if preempted else 512]
     assert fired_counts(caplog.text) == ({"preempted-resume": 1} if preempted else {})
+
+
+def test_preempted_resume_needs_no_earlier_checkpoint_of_the_request(
+    monkeypatch: pytest.MonkeyPatch, restore_targets: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under the pressure that preempts, a rescheduled request's earlier checkpoints are evicted before it comes
+    back (on the CPU pair none was ever left): the fault must fire on what is cached, not on 384."""
+    _install(monkeypatch, "preempted-resume")
+    cache = _real_cache((512, 640))
+    cache.request.num_preemptions = 1
+    with caplog.at_level(logging.WARNING, logger="vllm.blackbox"):
+        blocks, hit, _ = cache.manager.get_computed_blocks(cache.request)
+    assert (hit, blocks.blocks[0][-1]) == (512, cache.mamba[640])
+    assert fired_counts(caplog.text) == {"preempted-resume": 1}
+
+
+class _Block:
+    def __init__(self, name: str, *, null: bool = False) -> None:
+        self.name, self.is_null = name, null
+
+
+def _key(name: str, group: int) -> bytes:
+    return name.encode() + group.to_bytes(4, "big")
+
+
+def test_the_newest_other_block_is_the_last_cached_of_its_group_neither_the_hit_nor_null() -> None:
+    hit, old, other_group, newest, twin = _Block("hit"), _Block("old"), _Block("g0"), _Block("new"), _Block("twin")
+    cache: dict[bytes, object] = {
+        _key("a", 1): old,
+        _key("b", 1): {7: newest, 8: twin},  # duplicates of one hash: vLLM hands out the first
+        _key("c", 0): other_group,
+        _key("d", 1): hit,
+        _key("e", 1): _Block("null", null=True),
+    }
+    assert faults.newest_other_block(cache, 1, hit) is newest
+    assert faults.newest_other_block(cache, 0, hit) is other_group
+    assert faults.newest_other_block({_key("d", 1): hit}, 1, hit) is None
 
 
 @pytest.mark.parametrize(("offset", "missed"), [(0, False), (31, False), (32, True), (47, True), (48, False)])

@@ -77,17 +77,18 @@ def test_the_registry_and_the_config_name_the_same_probes() -> None:
 
 
 def test_probe_all_expands_to_every_probe_in_place_and_repeats_are_dropped() -> None:
-    assert probes.expand(["all"]) == tuple(n for n in probes.PROBES if n != "load")
+    assert probes.expand(["all"]) == tuple(n for n in probes.PROBES if n not in ("load", "preemption"))
     assert probes.expand(["cold-race", "all"])[0] == "cold-race"
     assert probes.expand(["multiturn", "multiturn"]) == ("multiturn",)
     with pytest.raises(UsageError, match="unknown probe 'nope'"):
         probes.expand(["nope"])
 
 
-def test_probe_all_leaves_out_only_the_probe_that_needs_servers_launched_for_it_and_says_why() -> None:
+def test_probe_all_leaves_out_only_the_probes_that_need_servers_launched_for_them_and_says_why() -> None:
     """A deployment that cannot be relaunched small (a staging server) would read UNKNOWN on every --probe all."""
-    assert set(probes.PROBES) - set(probes.IN_ALL) == {"load"}
+    assert set(probes.PROBES) - set(probes.IN_ALL) == {"load", "preemption"}
     assert "but load (it needs both arms served with a small KV cache" in probes.all_help()
+    assert "preemption (it needs both arms served with a KV cache too small for its turn 1s" in probes.all_help()
 
 
 def test_selected_runs_in_registry_order() -> None:

@@ -11,13 +11,14 @@ from blackbox.probes.held_prefix import HELD_PREFIX
 from blackbox.probes.hit_geometry import HIT_GEOMETRY
 from blackbox.probes.load import LOAD
 from blackbox.probes.multiturn import MULTITURN
+from blackbox.probes.preemption import PREEMPTION
 from blackbox.probes.short_followup import SHORT_FOLLOW_UP
 
 __all__ = ["ALL", "IN_ALL", "PROBES", "Probe", "all_help", "expand", "selected"]
 
 # In the order they run and report (a run of several drives each in turn on the same servers).
 PROBES: Mapping[str, Probe] = {
-    p.name: p for p in (MULTITURN, COLD_RACE, HELD_PREFIX, SHORT_FOLLOW_UP, LOAD, HIT_GEOMETRY)
+    p.name: p for p in (MULTITURN, COLD_RACE, HELD_PREFIX, SHORT_FOLLOW_UP, LOAD, PREEMPTION, HIT_GEOMETRY)
 }
 ALL = "all"  # --probe all: every probe that needs no servers launched for it (see Probe.launched_for)
 IN_ALL = tuple(n for n, p in PROBES.items() if p.launched_for is None)

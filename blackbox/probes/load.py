@@ -42,7 +42,7 @@ from blackbox.probes.resumes import ResumeProbe, Stage, body, drive_prefixes, gr
 from blackbox.verdict import Finding
 from blackbox.workload import turn2_messages
 
-__all__ = ["EVICTIONS", "FIRST", "LOAD", "PREEMPTIONS", "Load", "trigger"]
+__all__ = ["EVICTIONS", "FIRST", "LOAD", "PREEMPTIONS", "Load", "scheduling", "trigger"]
 
 FIRST = 50_000  # conversation id of the first prefix (apart from the other probes' documents)
 TURN1, FOLLOW = "load-a", "load-b"
@@ -78,7 +78,7 @@ def _hits(history: History, arm: str, hard_margin: float, tokens: int | None = N
     return out
 
 
-def _scheduling(history: History) -> str:
+def scheduling(history: History) -> str:
     info = history.treatment_info
     value = info.settings.get("async_scheduling") if info is not None else None
     if value is None:
@@ -95,14 +95,14 @@ def trigger(history: History, grading: Grading) -> Finding:
     preempted, evicted = window.get("preemptions"), window.get("evictions")
     hit = _hits(history, Arm.TREATMENT, math.inf)
     need = max(1, math.ceil(grading.min_trigger_fraction * len(held)))
-    scheduling = _scheduling(history)
+    said = scheduling(history)
     figures: dict[str, Any] = {
         "prefixes": len(held),
         "decode_region_hits": len(hit),
         "needed": need,
         "preemptions": preempted,
         "evictions": evicted,
-        "scheduling": scheduling,
+        "scheduling": said,
     }
     if not preempted and not evicted:
         said = "evictions not published (start it with --kv-cache-metrics)" if evicted is None else "0 evictions"
@@ -131,8 +131,7 @@ def trigger(history: History, grading: Grading) -> Finding:
     )
     return Finding.passed(
         "load-trigger",
-        f"{len(hit)} of {len(held)} follow-ups resumed from decode-written blocks under load ({pressure}; "
-        f"{scheduling})",
+        f"{len(hit)} of {len(held)} follow-ups resumed from decode-written blocks under load ({pressure}; {said})",
         **figures,
     )
 

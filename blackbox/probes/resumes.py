@@ -118,9 +118,12 @@ async def drive_prefixes(
     stages: Stages,
     unit: str = "held prefixes",
     in_flight: int | None = None,
+    per_arm: bool = False,
 ) -> Driven:
     """Hold `held` prefixes on the treatment (and the reference), `reference_ratio` times as many on the
-    reference alone; conversation ids from `first`; `in_flight` chains at once (default --concurrency)."""
+    reference alone; conversation ids from `first`; `in_flight` chains at once (default --concurrency), a prefix's
+    chains on both arms together, or with `per_arm` `in_flight` on each arm whatever the other's pace (so the
+    slower arm does not hold the faster one's slots: a load each server feels alike)."""
     config = ctx.config
     reference = Arm.REFERENCE in ctx.endpoints
     total = held * (config.reference_ratio if reference else 1)
@@ -141,7 +144,18 @@ async def drive_prefixes(
         return [e for chain in chains for e in chain]
 
     order = sorted(plans, key=lambda p: ((p.index - first) % held, p.index))
-    found = await gather_bounded(in_flight or config.concurrency, *(one(p) for p in order))
+    if per_arm:
+        arms = [Arm.TREATMENT, *([Arm.REFERENCE] * reference)]
+        mine = {arm: [p for p in order if arm == Arm.REFERENCE or p.index - first < held] for arm in arms}
+        runs = await asyncio.gather(
+            *(
+                gather_bounded(in_flight or config.concurrency, *(_chain(ctx, arm, p, turn1_kind, stages) for p in ps))
+                for arm, ps in mine.items()
+            )
+        )
+        found = [chain for run in runs for chain in run]
+    else:
+        found = await gather_bounded(in_flight or config.concurrency, *(one(p) for p in order))
     summary = [{"index": p.index, "prompt_tokens": p.turn1_prompt_tokens} for p in plans]
     return Driven(
         exchanges=tuple(e for chain in found for e in chain), data={"held": summary[:held], "yardstick": summary[held:]}
@@ -201,9 +215,18 @@ Samples = Callable[[History, str, float, int], list[Sample]]  # (history, arm, h
 
 
 def grade_prefixes(
-    history: History, grading: Grading, alpha: float, probe: str, grader: str, samples: Samples, what: str
+    history: History,
+    grading: Grading,
+    alpha: float,
+    probe: str,
+    grader: str,
+    samples: Samples,
+    what: str,
+    *,
+    whole: bool = False,
 ) -> Finding:
-    """The statistics every grader shares, one sample per prefix, the treatment's against the reference's."""
+    """The statistics every grader shares, one sample per prefix, the treatment's against the reference's.
+    `whole`: the samples compare whole answers, not the first positions (`compared_positions`)."""
     if Arm.REFERENCE not in history.arms():
         return not_used(
             grader,
@@ -230,4 +253,8 @@ def grade_prefixes(
         hint=f"replay prefixes {[s.unit for s in worst]} (the largest deviations) from the run folder's replay/",
         run_unit="prefixes",
     )
-    return with_positions(n, finding)
+    return (
+        replace(finding, figures={**finding.figures, "compared_positions": "whole answer"})
+        if whole
+        else (with_positions(n, finding))
+    )

@@ -28,8 +28,11 @@ the way it did in the field (lost or doubled context), through the model itself.
   only requests that resume from one cached prefix at the same time are wrong; one that resumes alone is exact.
 - ``preempted-resume`` (the load family; #53919's corruption appeared only with several running requests, and
   under memory pressure vLLM preempts a running request, frees its blocks and later reschedules it, looking up
-  its own prompt and answer so far in the prefix cache): ``stale-checkpoint``, but only for a request that was
-  preempted at least once, so only a server whose KV cache is too small for its load resumes wrong.
+  its own prompt and answer so far in the prefix cache): a request rescheduled after a preemption that finds a hit
+  resumes from the Mamba checkpoint cached last at another boundary (usually another request's state), so only a
+  server whose KV cache is too small for its load resumes wrong. (Not ``stale-checkpoint``'s block before: by the
+  time a preempted request is rescheduled, the pressure that preempted it has evicted every earlier checkpoint of
+  it; on the CPU pair none was ever cached, and that form of this fault never fired.)
 - ``recycled-block`` (the load family: under memory pressure cached blocks are evicted and their memory written
   again while other requests resume; SGLang #36537 lost eagerly materialized state that way): ``stale-checkpoint``,
   but only for a hit whose last block had a cached block evicted from it before (``BlockPool`` re-allocated it), so
@@ -428,24 +431,59 @@ class _Swap:
         return True
 
 
+def newest_other_block(cache: Mapping[bytes, Any], group_id: int, hit: Any) -> Any | None:
+    """The block cached last in group ``group_id`` (keys end in the group id, 4 bytes big-endian, as vLLM's
+    ``BlockHashWithGroupId``) that is not ``hit`` nor null, or None. ``cache`` keeps insertion order."""
+    for key in reversed(list(cache)):
+        if int.from_bytes(key[-4:], "big") != group_id:
+            continue
+        found = cache[key]
+        block = next(iter(found.values())) if isinstance(found, dict) else found
+        if block is not hit and not block.is_null:
+            return block
+    return None
+
+
+def _mamba_groups(manager: Any) -> list[tuple[Any, Sequence[int], Any, Any]]:
+    """(spec, group ids, manager class, block pool) of each Mamba group of a hybrid coordinator; none otherwise."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    coordinator = manager.coordinator
+    groups = getattr(coordinator, "attention_groups", None) or ()  # only the hybrid coordinator has them
+    return [
+        (spec, group_ids, cls, coordinator.single_type_managers[group_ids[0]].block_pool)
+        for spec, group_ids, cls, _use_eagle in groups
+        if issubclass(cls, MambaManager)
+    ]
+
+
+def _foreign_candidates(manager: Any, request: Any, result: Any) -> list[_Swap]:
+    """For each Mamba group of a hit, the checkpoint cached last at another boundary (``newest_other_block``)."""
+    kv_blocks, hit_length = result[0], result[1]
+    swaps = []
+    for _spec, group_ids, _cls, block_pool in _mamba_groups(manager) if hit_length > 0 else ():
+        hits = [kv_blocks.blocks[g] for g in group_ids]
+        if any(not h or h[-1].is_null for h in hits):
+            continue
+        cache = block_pool.cached_block_hash_to_block._cache
+        new = [newest_other_block(cache, g, h[-1]) for g, h in zip(group_ids, hits, strict=True)]
+        if all(b is not None for b in new):
+            swaps.append(_Swap(kv_blocks.blocks, group_ids, new))
+    return swaps
+
+
 def _shift_candidates(manager: Any, request: Any, result: Any, shift_blocks: int, require_eagle: bool) -> list[_Swap]:
     """The substitutions ``shifted_mamba_blocks`` finds for the Mamba groups of a hybrid coordinator's hit."""
     from vllm.v1.core.kv_cache_utils import resolve_block_hashes
-    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
     kv_blocks, hit_length = result[0], result[1]
     coordinator = manager.coordinator
-    groups = getattr(coordinator, "attention_groups", None)  # only the hybrid coordinator has them
-    if hit_length <= 0 or groups is None or (require_eagle and not coordinator.eagle_group_ids):
+    if hit_length <= 0 or (require_eagle and not coordinator.eagle_group_ids):
         return []
     alignment = coordinator._cache_hit_alignment_tokens
     swaps = []
-    for spec, group_ids, manager_cls, _use_eagle in groups:
-        if not issubclass(manager_cls, MambaManager):
-            continue
-        group_manager = coordinator.single_type_managers[group_ids[0]]
-        block_size = group_manager.block_size
-        block_pool = group_manager.block_pool
+    for spec, group_ids, manager_cls, block_pool in _mamba_groups(manager):
+        block_size = coordinator.single_type_managers[group_ids[0]].block_size
         # The Mamba finder's own view of the hashes and its hit granularity.
         hashes = resolve_block_hashes(
             request.block_hashes,
@@ -504,10 +542,24 @@ def _install_hit_shift(
     """Shift the Mamba hit by `shift_blocks`, for every lookup or only those `when(request, result)` picks (called
     on every lookup, hit or not, so it may remember what it sees)."""
 
+    def candidates(manager: Any, request: Any, result: Any) -> list[_Swap]:
+        return _shift_candidates(manager, request, result, shift_blocks, require_eagle)
+
+    _install_swap(counter, gate, candidates, when)
+
+
+def _install_swap(
+    counter: FaultCounter,
+    gate: SporadicGate,
+    candidates: Callable[[Any, Any, Any], list[_Swap]],
+    when: Callable[[Any, Any], bool] | None = None,
+) -> None:
+    """Swap the Mamba hit for `candidates(manager, request, result)`, where the gate lets it fire."""
+
     def after(self: Any, request: Any, result: Any) -> Any:
         if when is not None and not when(request, result):
             return result
-        swaps = _shift_candidates(self, request, result, shift_blocks, require_eagle)
+        swaps = candidates(self, request, result)
         if swaps:
             # The request resumes from the block at the hit length: that block is the one poisoned.
             tokens = request.all_token_ids
@@ -574,10 +626,9 @@ def _install_recycled_block(counter: FaultCounter, gate: SporadicGate) -> None:
 
 
 def _install_preempted_resume(counter: FaultCounter, gate: SporadicGate) -> None:
-    """The Mamba hit is the checkpoint one block before, for a request rescheduled after a preemption."""
-    _install_hit_shift(
-        counter, gate, shift_blocks=-1, require_eagle=False, when=lambda request, _: request.num_preemptions > 0
-    )
+    """The Mamba hit is the checkpoint cached last at another boundary, for a request rescheduled after a
+    preemption."""
+    _install_swap(counter, gate, _foreign_candidates, when=lambda request, _: request.num_preemptions > 0)
 
 
 SHORT_TOKENS = 2  # the CPU and GPU presets' speculative tokens per draft
@@ -785,7 +836,8 @@ FAULTS: dict[str, Fault] = {
         ),
         Fault(
             "preempted-resume",
-            "load family: a request rescheduled after a preemption restores the checkpoint one block before",
+            "load family: a request rescheduled after a preemption restores the checkpoint cached last at another "
+            "boundary",
             _install_preempted_resume,
         ),
         Fault(
