@@ -50,7 +50,17 @@ def main() -> int:
     deadline = time.monotonic() + args.budget_min * 60 if args.budget_min else float("inf")
     groups: dict[tuple[object, ...], list[faults.Case]] = {}
     for c in cases:
-        key = (c.profile, c.fault, c.sporadic, c.shape, c.spec_tokens, c.reference, c.alone)
+        key = (
+            c.profile,
+            c.fault,
+            c.sporadic,
+            c.shape,
+            c.spec_tokens,
+            c.reference,
+            c.alone,
+            c.treatment_args,
+            c.reference_args,
+        )
         groups.setdefault(key, []).append(c)
     args.keep_runs.mkdir(parents=True, exist_ok=True)
     made = 0

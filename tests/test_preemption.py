@@ -38,6 +38,7 @@ def chain(prefix: int, arm: str, noise: float, wrong_from: int | None) -> list[E
     return [
         h.exchange(prefix, arm, preemption.TURN1, cached=0, toks=answer(noise, wrong_from=wrong_from)),
         h.exchange(prefix, arm, preemption.AGAIN, cached=0, toks=answer(0.0)),
+        h.exchange(prefix, arm, preemption.FOLLOW, cached=h.DECODE_HIT, toks=h.tokens(-0.1)),
     ]
 
 
@@ -81,6 +82,7 @@ def test_answers_written_under_preemption_that_match_their_recomputation_pass_sa
     found = gate(history)
     assert "preempted 9 times while its 16 turn 1s ran (the reference 14 times)" in found.reason
     assert "cannot be seen over HTTP" in found.reason
+    assert found.figures["follow_up_hits"] == HELD  # the follow-ups on the recomputations' salts hit: cache live
     [graded] = graders.grade(history, GRADING, PROBES).findings
     assert graded.figures["compared_positions"] == "whole answer"
 

@@ -10,11 +10,12 @@ server preempted while they were written; it grades every answer, and a resume f
 position it resumed at onward.
 
 Plans: `--conversations` prefixes (documents of their own), each turn 1 forced on past its prompt, `--concurrency`
-at once, against servers whose KV cache holds fewer of them (`--profile cpu-tiny-preempt`), each followed at once
-by a question re-sending it (as the load probe's; not graded here: its hits show that the cache is live, without
-which no preempted request could resume from it, and the shared `cache-live` gate reads them). Then each answer is
+on each arm, against servers whose KV cache holds fewer of them (`--profile cpu-tiny-preempt`). Then each answer is
 asked for again on a fresh cache_salt, `RECOMPUTE_IN_FLIGHT` at a time, which the cache holds without preempting:
-the recomputation. The reference runs the same, `--reference-ratio` times as many.
+the recomputation; and at once a question that re-sends the recomputed answer on that salt (not graded: its hit
+shows the cache live, without which no preempted request could resume from it, and the shared `cache-live` gate
+reads it; under the pressure itself no follow-up hit, 0 of 16). The reference runs the same, `--reference-ratio`
+times as many.
 
 Trigger proof (`preempt-trigger`): the treatment preempted requests while the turn 1s ran, and so did the reference
 (its yardstick must carry what a correct engine's preemption does to an answer), and neither preempted a
@@ -35,18 +36,18 @@ from blackbox.client import gather_bounded
 from blackbox.compare import deviation
 from blackbox.config import Grading
 from blackbox.evidence import Sample
-from blackbox.history import Arm, Exchange, History, Plan
+from blackbox.history import Arm, Exchange, History
 from blackbox.metrics import MetricsDelta
 from blackbox.probes.base import DriveContext, Driven, settle
 from blackbox.probes.load import scheduling
-from blackbox.probes.resumes import ResumeProbe, Stage, body, drive_prefixes, fresh, grade_prefixes, prefixes
+from blackbox.probes.resumes import ResumeProbe, body, drive_prefixes, fresh, grade_prefixes, prefixes
 from blackbox.verdict import Finding
-from blackbox.workload import turn2_messages
 
 __all__ = ["FIRST", "PREEMPTION", "RECOMPUTE_IN_FLIGHT", "Preemption", "trigger"]
 
 FIRST = 60_000  # conversation id of the first prefix (apart from the other probes' documents)
 TURN1, FOLLOW = "preempt-a", "preempt-b"
+ASK = "What was that about?"  # the follow-up that shows the cache live
 AGAIN = fresh(TURN1)
 # Recomputations at once per arm: a turn 1 of the CPU presets takes about a fifth of cpu-tiny-preempt's cache.
 RECOMPUTE_IN_FLIGHT = 2
@@ -64,12 +65,11 @@ class Preemption(ResumeProbe):
         limit = ctx.config.settle_s
         before = await asyncio.gather(*(settle(e, limit) for e in arms.values()))
 
-        def follow(plan: Plan, a: Exchange) -> list[Stage]:
-            return [[(FOLLOW, body(ctx, turn2_messages(plan, a.text)))]]
-
         # Each arm its own --concurrency turn 1s: coupled by prefix, the treatment (faster, speculating) waited on
-        # the reference and was never preempted (0-3 preemptions at 100 blocks, the reference 0).
-        driven = await drive_prefixes(ctx, FIRST, ctx.config.conversations, TURN1, follow, "turn 1s", per_arm=True)
+        # the reference and was hardly preempted (0-5 times at 100 blocks, the reference never).
+        driven = await drive_prefixes(
+            ctx, FIRST, ctx.config.conversations, TURN1, lambda _p, _a: (), "turn 1s", per_arm=True
+        )
         middle = await asyncio.gather(*(settle(e, limit) for e in arms.values()))
         again = await asyncio.gather(*(_recompute(ctx, arm, driven.exchanges) for arm in arms))
         after = await asyncio.gather(*(settle(e, limit) for e in arms.values()))
@@ -90,13 +90,18 @@ async def _recompute(ctx: DriveContext, arm: str, sent: Sequence[Exchange]) -> l
     """Each answered turn 1 of `arm` asked again on a fresh cache_salt, a few at a time (none preempted)."""
     endpoint = ctx.endpoints[arm]
 
-    async def again(a: Exchange) -> Exchange:
-        body = {k: v for k, v in a.request.items() if k != "model"}
-        body["cache_salt"] = f"{ctx.salt}-{a.conversation}-{AGAIN}"
-        return ctx.record(await endpoint.chat(body, conversation=a.conversation, kind=AGAIN))
+    async def again(a: Exchange) -> list[Exchange]:
+        salt = f"{ctx.salt}-{a.conversation}-{AGAIN}"
+        request = {k: v for k, v in a.request.items() if k != "model"}
+        b = ctx.record(await endpoint.chat({**request, "cache_salt": salt}, conversation=a.conversation, kind=AGAIN))
+        if not b.ok:
+            return [b]
+        messages = (*request["messages"], {"role": "assistant", "content": b.text}, {"role": "user", "content": ASK})
+        follow = {**body(ctx, messages), "cache_salt": salt}
+        return [b, ctx.record(await endpoint.chat(follow, conversation=a.conversation, kind=FOLLOW))]
 
     mine = [a for a in sent if a.arm == arm and a.kind == TURN1 and a.ok]
-    return await gather_bounded(RECOMPUTE_IN_FLIGHT, *(again(a) for a in mine))
+    return [e for pair in await gather_bounded(RECOMPUTE_IN_FLIGHT, *(again(a) for a in mine)) for e in pair]
 
 
 def _windows(history: History) -> Mapping[str, Mapping[str, Any]]:
@@ -115,7 +120,7 @@ def trigger(history: History, grading: Grading) -> Finding:
         "scheduling": scheduling(history),
         "follow_up_hits": sum(
             bool((e := history.get(p, Arm.TREATMENT, FOLLOW)) and e.cached_tokens) for p in held
-        ),  # what shows the cache live under this pressure
+        ),  # what shows the cache live (after the pressure, on the recomputations' salts)
     }
 
     def unknown(message: str, hint: str) -> Finding:
