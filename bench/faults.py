@@ -130,6 +130,14 @@ _FAULTS = (
 _SPORADIC = ((0.2, "block"), (0.2, "restore"), (0.1, "block"), (0.1, "restore"))
 _BUDGET = ("--max-num-batched-tokens", "96")
 
+
+def _fragmented(probe: str, profile: str) -> Case:
+    """A correct engine chunked mid-block, on a profile of its own (so the step budget goes on both arms' flags)."""
+    return Case(
+        f"clean fragmented {probe}", probe, profile, treatment_args=_BUDGET, reference_args=_BUDGET, new_probe=True
+    )
+
+
 CASES: tuple[Case, ...] = (
     Case("clean", "multiturn"),
     # A correct engine whose prefill is chunked mid-block is not bit-exact against recomputation (issue 8).
@@ -223,27 +231,13 @@ CASES += (
     Case("clean load", "load", "cpu-tiny-load", new_probe=True),
     Case("clean load big cache", "load", new_probe=True),
     Case("clean 1 spec token load", "load", "cpu-tiny-load", spec_tokens=1, new_probe=True),
-    Case(
-        "clean fragmented load",
-        "load",
-        "cpu-tiny-load",
-        treatment_args=_BUDGET,
-        reference_args=_BUDGET,
-        new_probe=True,
-    ),
+    _fragmented("load", "cpu-tiny-load"),
     # Turn 1s preempted while they are written, each graded over its whole answer (the preemption probe): clean,
     # its benign variants, and against a cache that holds them (UNKNOWN, not PASS).
     Case("clean preemption", "preemption", "cpu-tiny-preempt", new_probe=True),
     Case("clean preemption big cache", "preemption", new_probe=True),
     Case("clean 1 spec token preemption", "preemption", "cpu-tiny-preempt", spec_tokens=1, new_probe=True),
-    Case(
-        "clean fragmented preemption",
-        "preemption",
-        "cpu-tiny-preempt",
-        treatment_args=_BUDGET,
-        reference_args=_BUDGET,
-        new_probe=True,
-    ),
+    _fragmented("preemption", "cpu-tiny-preempt"),
     *(
         Case(f"{fault} {probe}", probe, profile, fault=fault, new_probe=True)
         for fault in ("recycled-block", "preempted-resume")

@@ -108,13 +108,11 @@ def test_short_follow_ups_catch_a_restore_wrong_only_after_a_one_or_two_token_co
     assert {tuple(sorted(a.items())) for a in added.values()} == {(("short-1", 1), ("short-2", 2), ("short-q", 8))}
 
 
-def test_the_load_probe_catches_restores_wrong_only_on_blocks_recycled_under_pressure(tmp_path: Path) -> None:
-    """recycled-block is wrong only on a hit whose block had a cached block evicted from it, which happens only when
-    the cache is too small for the load: the load probe against the small-cache pair (cpu-tiny-load on both arms)
-    sees it; on the session's cache, which holds every probe's load, nothing is ever evicted."""
-    specs = build_specs(
-        "cpu-tiny-load", ("treatment", "reference"), base_port=LOAD_PORT, cache_dir=CACHE, fault="recycled-block"
-    )
+def _small_cache_run(
+    tmp_path: Path, profile: str, probe: str, fault: str | None, *extra: str
+) -> tuple[int, dict, str, int]:
+    """`probe` against a small-cache pair of its own (`profile` on the treatment and the reference); the fires."""
+    specs = build_specs(profile, ("treatment", "reference"), base_port=LOAD_PORT, cache_dir=CACHE, fault=fault)
     with Fleet(specs, tmp_path / "servers") as fleet:
         fleet.start()
         code, output, _, verdict = blackbox_cli(
@@ -124,11 +122,20 @@ def test_the_load_probe_catches_restores_wrong_only_on_blocks_recycled_under_pre
             "--reference",
             fleet.urls["reference"],
             "--probe",
-            "load",
+            probe,
             "--seed",
             "31",
+            *extra,
         )
-        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get("recycled-block", 0)
+        log = fleet.log_path("treatment").read_text(errors="replace")
+    return code, verdict, output, fired_counts(log).get(fault, 0) if fault else 0
+
+
+def test_the_load_probe_catches_restores_wrong_only_on_blocks_recycled_under_pressure(tmp_path: Path) -> None:
+    """recycled-block is wrong only on a hit whose block had a cached block evicted from it, which happens only when
+    the cache is too small for the load: the load probe against the small-cache pair (cpu-tiny-load on both arms)
+    sees it; on the session's cache, which holds every probe's load, nothing is ever evicted."""
+    code, verdict, output, fired = _small_cache_run(tmp_path, "cpu-tiny-load", "load", "recycled-block")
     assert fired > 0, f"recycled-block never fired\n{output}"
     trigger = _finding(verdict, "load-trigger")
     assert trigger["status"] == "PASS" and trigger["figures"]["evictions"] > 0, output
@@ -142,22 +149,9 @@ def test_the_preemption_probe_preempts_both_arms_and_passes_on_a_correct_engine(
     preempted while their turn 1s are written, no recomputation is, the follow-ups on the recomputations' salts hit,
     and a correct engine, not bit-exact under preemption, passes against a reference preempted alike. (Against
     preempted-resume the probe mostly misses on this model: bench/results/new-probes.md.)"""
-    specs = build_specs("cpu-tiny-preempt", ("treatment", "reference"), base_port=LOAD_PORT, cache_dir=CACHE)
-    with Fleet(specs, tmp_path / "servers") as fleet:
-        fleet.start()
-        code, output, _, verdict = blackbox_cli(
-            tmp_path / "runs",
-            "--treatment",
-            fleet.urls["treatment"],
-            "--reference",
-            fleet.urls["reference"],
-            "--probe",
-            "preemption",
-            "--conversations",
-            "16",
-            "--seed",
-            "31",
-        )
+    code, verdict, output, _ = _small_cache_run(
+        tmp_path, "cpu-tiny-preempt", "preemption", None, "--conversations", "16"
+    )
     trigger = _finding(verdict, "preempt-trigger")
     figures = trigger["figures"]
     assert trigger["status"] == "PASS", output
