@@ -253,8 +253,6 @@ def grade_prefixes(
         hint=f"replay prefixes {[s.unit for s in worst]} (the largest deviations) from the run folder's replay/",
         run_unit="prefixes",
     )
-    return (
-        replace(finding, figures={**finding.figures, "compared_positions": "whole answer"})
-        if whole
-        else (with_positions(n, finding))
-    )
+    if whole:
+        return replace(finding, figures={**finding.figures, "compared_positions": "whole answer"})
+    return with_positions(n, finding)

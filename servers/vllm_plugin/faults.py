@@ -478,7 +478,7 @@ def _shift_candidates(manager: Any, request: Any, result: Any, shift_blocks: int
 
     kv_blocks, hit_length = result[0], result[1]
     coordinator = manager.coordinator
-    if hit_length <= 0 or (require_eagle and not coordinator.eagle_group_ids):
+    if hit_length <= 0 or (require_eagle and not getattr(coordinator, "eagle_group_ids", None)):
         return []
     alignment = coordinator._cache_hit_alignment_tokens
     swaps = []
