@@ -554,3 +554,25 @@ def test_servers_sharing_a_gpu_start_one_by_one_by_default(tmp_path: Path) -> No
         first, second = fleet._servers["treatment"], fleet._servers["control"]
         assert first.ready_s is not None
         assert second.started >= first.started + first.ready_s
+
+
+def test_the_preempt_profile_gives_the_reference_half_the_blocks_and_a_user_flag_still_wins(tmp_path: Path) -> None:
+    """Without the drafter a block holds twice the tokens, so the reference gets half the treatment's blocks; vLLM
+    keeps the last of a repeated flag, so the profile's own flags come first and `extra_args` last."""
+
+    def blocks(specs: list[profiles.ServerSpec]) -> dict[str, str]:
+        """Each role's last --num-gpu-blocks-override value: the one vLLM keeps."""
+        out = {}
+        for s in specs:
+            at = max(i for i, a in enumerate(s.args) if a == "--num-gpu-blocks-override")
+            out[s.role] = s.args[at + 1]
+        return out
+
+    roles = ("treatment", "control", "reference")
+    specs = build_specs("cpu-tiny-preempt", roles, model="/m", cache_dir=tmp_path)
+    half = str(profiles.PREEMPT_BLOCKS // 2)
+    assert blocks(specs) == {"treatment": "80", "control": "80", "reference": half}
+    mine = build_specs(
+        "cpu-tiny-preempt", roles, model="/m", cache_dir=tmp_path, extra_args=("--num-gpu-blocks-override", "99")
+    )
+    assert set(blocks(mine).values()) == {"99"}
