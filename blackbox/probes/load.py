@@ -95,14 +95,14 @@ def trigger(history: History, grading: Grading) -> Finding:
     preempted, evicted = window.get("preemptions"), window.get("evictions")
     hit = _hits(history, Arm.TREATMENT, math.inf)
     need = max(1, math.ceil(grading.min_trigger_fraction * len(held)))
-    said = scheduling(history)
+    mode = scheduling(history)
     figures: dict[str, Any] = {
         "prefixes": len(held),
         "decode_region_hits": len(hit),
         "needed": need,
         "preemptions": preempted,
         "evictions": evicted,
-        "scheduling": said,
+        "scheduling": mode,
     }
     if not preempted and not evicted:
         said = "evictions not published (start it with --kv-cache-metrics)" if evicted is None else "0 evictions"
@@ -131,7 +131,7 @@ def trigger(history: History, grading: Grading) -> Finding:
     )
     return Finding.passed(
         "load-trigger",
-        f"{len(hit)} of {len(held)} follow-ups resumed from decode-written blocks under load ({pressure}; {said})",
+        f"{len(hit)} of {len(held)} follow-ups resumed from decode-written blocks under load ({pressure}; {mode})",
         **figures,
     )
 
