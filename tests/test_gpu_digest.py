@@ -138,3 +138,34 @@ def test_a_load_record_carries_the_pressure_the_p_values_and_the_fires(
     assert rec["rejudge_error"] == "RuntimeError: no exchanges"  # the stored verdict stands
     printed = json.loads(capsys.readouterr().out)  # the line plan.sh's `load` step shows
     assert printed["load"]["p_values"] == [1e-9] and printed["trigger"]["preemptions"] == 7.0
+
+
+def test_a_preemption_record_reads_the_preemption_probes_own_checks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "load-pre-clean64-s0" / "20261207-010000-s0"
+    run.mkdir(parents=True)
+    findings = [
+        # a load-trigger finding in the same folder must not be read as this probe's pressure
+        {"check": "load-trigger", "status": "PASS", "figures": {"preemptions": 999.0}},
+        {
+            "check": "preempt-trigger",
+            "status": "PASS",
+            "figures": {
+                "preemptions": 12.0,
+                "reference_preemptions": 30.0,
+                "recompute_preemptions": {"treatment": 0.0},
+            },
+        },
+        {"check": "preemption", "status": "PASS", "figures": {"n_subject": 32, "n_yardstick": 64, "p_values": [0.4]}},
+    ]
+    (run / "verdict.json").write_text(json.dumps({"status": "PASS", "findings": findings}))
+    monkeypatch.setattr(digest, "rejudge", lambda folder: (_ for _ in ()).throw(RuntimeError("no exchanges")))
+
+    assert digest.main(["load", str(run.parent), "--case", "clean preemption", "--seed", "0",
+                        "--probe", "preemption"]) == 0  # fmt: skip
+    rec = json.loads((run.parent / "record.json").read_text())
+    assert rec["probe"] == "preemption" and "load" not in rec
+    assert (rec["trigger"]["preemptions"], rec["trigger"]["reference_preemptions"]) == (12.0, 30.0)
+    assert rec["preemption"] == {"status": "PASS", "n_subject": 32, "n_yardstick": 64, "p_values": [0.4]}
+    assert json.loads(capsys.readouterr().out)["preemption"]["p_values"] == [0.4]

@@ -3,6 +3,7 @@
     python -m servers.gpu.digest counts LOG FAULT            # "fired skipped" so far in a treatment log
     python -m servers.gpu.digest record RUN_DIR --case NAME --seed N [--fault F --before F,S --after F,S]
     python -m servers.gpu.digest load RUN_DIR --case NAME --seed N [--fault F --before F,S --after F,S]
+        [--probe load|preemption]
 
 A 64-conversation GPU run folder is ~120 MB (every answer's top-k logprobs), ~12 MB as xz, and a device call
 brings back at most 64 MiB: a sitting of four triples makes ~16 runs a call. So each run is re-judged on the
@@ -121,17 +122,26 @@ def record(
 
 
 LOAD_SETTINGS = ("async_scheduling", "block_size", "num_gpu_blocks", "num_gpu_blocks_override", "enforce_eager")
+# The probes run on a small KV cache: each one's trigger check (the pressure figures) and its grader's check.
+PRESSURE_CHECKS = {"load": "load-trigger", "preemption": "preempt-trigger"}
 
 
 def load_record(
-    run_dir: Path, case: str, seed: int, fault: str | None, before: str | None, after: str | None
+    run_dir: Path,
+    case: str,
+    seed: int,
+    fault: str | None,
+    before: str | None,
+    after: str | None,
+    probe: str = "load",
 ) -> dict[str, Any]:
-    """A load-probe run's record: its stored verdict, the load-trigger's pressure figures, the treatment's KV and
-    scheduling settings, and the fault's fires. Read from the run's files as stored (the device runs this
-    checkout's code); `needed` and `caught_by` come from judging it again, when that works."""
+    """A small-cache run's record (the load or the preemption probe): its stored verdict, the trigger's pressure
+    figures, the treatment's KV and scheduling settings, and the fault's fires, with the grader's figures under the
+    probe's name. Read from the run's files as stored (the device runs this checkout's code); `needed` and
+    `caught_by` come from judging it again, when that works."""
     stored = json.loads((run_dir / "verdict.json").read_text())
     findings = {f["check"]: f for f in stored.get("findings", [])}
-    trigger, graded = findings.get("load-trigger") or {}, findings.get("load") or {}
+    trigger, graded = findings.get(PRESSURE_CHECKS[probe]) or {}, findings.get(probe) or {}
     servers = json.loads((run_dir / "servers.json").read_text()) if (run_dir / "servers.json").exists() else {}
     treatment = servers.get("treatment") or {}
     settings = treatment.get("settings") or {}
@@ -141,14 +151,14 @@ def load_record(
     rec: dict[str, Any] = {
         "case": case,
         "seed": seed,
-        "probe": "load",
+        "probe": probe,
         "status": stored.get("status"),
         "error_class": stored.get("error_class"),
         "reason": (stored.get("reason") or "")[:400],
         "hint": (stored.get("hint") or "")[:300],
         "wall_s": stored.get("elapsed_s"),
         "trigger": {"status": trigger.get("status"), "reason": trigger.get("reason"), **(trigger.get("figures") or {})},
-        "load": {
+        probe: {
             "status": graded.get("status"),
             **{k: figures.get(k) for k in ("n_subject", "n_yardstick", "p_values") if k in figures},
         },
@@ -184,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         r.add_argument("--fault")
         r.add_argument("--before", help="fired,skipped before the run")
         r.add_argument("--after", help="fired,skipped after the run")
+        if name == "load":
+            r.add_argument("--probe", choices=sorted(PRESSURE_CHECKS), default="load")
     args = parser.parse_args(argv)
     if args.command == "counts":
         print("{},{}".format(*counts(args.log, args.fault)))
@@ -193,12 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    make = load_record if args.command == "load" else record
-    rec = make(run, args.case, args.seed, args.fault, args.before, args.after)
+    if args.command == "load":
+        rec = load_record(run, args.case, args.seed, args.fault, args.before, args.after, args.probe)
+    else:
+        rec = record(run, args.case, args.seed, args.fault, args.before, args.after)
     (run.parent / "record.json").write_text(json.dumps(rec, sort_keys=True) + "\n")
     keys: tuple[str, ...] = ("case", "seed", "status", "caught_by", "needed", "fired", "skipped")
-    if args.command == "load":  # the pressure (preemptions, evictions, hits) and the load grader's p-values
-        keys += ("error_class", "wall_s", "trigger", "load", "rejudged_status", "rejudge_error")
+    if args.command == "load":  # the pressure (preemptions, evictions, hits) and the grader's p-values
+        keys += ("error_class", "wall_s", "trigger", args.probe, "rejudged_status", "rejudge_error")
     print(json.dumps({k: rec.get(k) for k in keys}))
     return 0
 

@@ -358,6 +358,11 @@ v4() { # SPECS
 # (every role's --max-model-len, so that fewer blocks than an 8192-token request's ~62 start); LOAD_BB_ARGS is
 # appended to every load run's blackbox call (sixth preemption try, 2026-12-06: fewer in flight at small caches).
 # `loadsum` prints what a call reads back: counters, server-log lines, verdicts, digests.
+# LOAD_PROBE=preemption runs the preemption probe on these triples instead (tenth sitting, issue 23: turn 1s
+# preempted under async scheduling, each graded against its recomputation alone; it needs the reference preempted
+# too, and on the GPU every role has the same 288-token blocks, so every role gets the same count); spec names
+# keep the `load-` prefix, which the log and digest globs below read.
+LOAD_PROBE=${LOAD_PROBE:-load}
 LOAD_SPECS=${LOAD_SPECS:-"load-clean:-:8510:170:0 load-recycled:recycled-block:8520:170:0"}
 LOAD_METRICS=(--kv-cache-metrics --kv-cache-metrics-sample 1.0)
 
@@ -389,13 +394,15 @@ series_load() { # NAME FAULT PORT SEED0 [CONC]
         : >"$W/logs/digest-$name-s$seed.out" # `send` holds the run back until its record.json
         before=$(digest counts "$log" "$fault")
         took=$(date +%s)
-        CONV=${LOAD_CONV:-32} bb_triple "$name-s$seed" "$t" $((t + 1)) $((t + 2)) "$seed" --probe load "${extra[@]}"
+        CONV=${LOAD_CONV:-32} bb_triple "$name-s$seed" "$t" $((t + 1)) $((t + 2)) "$seed" --probe "$LOAD_PROBE" \
+            "${extra[@]}"
         took=$(($(date +%s) - took))
         # Smaller caches or more triples side by side make a run longer: the next needs what this one took.
         ((took + 30 > room)) && room=$((took + 30))
         after=$(digest counts "$log" "$fault")
-        [ -e "$W/runs/$name-s$seed" ] && digest load "$W/runs/$name-s$seed" --case "$case load" --seed "$seed" \
-            --fault "$fault" --before "$before" --after "$after" >"$W/logs/digest-$name-s$seed.out" 2>&1
+        [ -e "$W/runs/$name-s$seed" ] && digest load "$W/runs/$name-s$seed" --case "$case $LOAD_PROBE" \
+            --seed "$seed" --fault "$fault" --before "$before" --after "$after" --probe "$LOAD_PROBE" \
+            >"$W/logs/digest-$name-s$seed.out" 2>&1
     done
 }
 
@@ -451,7 +458,7 @@ import glob, json, sys
 for p in sorted(glob.glob(sys.argv[1] + "/runs/load-*/*/verdict.json")):
     v = json.load(open(p))
     fs = [(f["check"], f["status"], (f.get("reason") or "")[:400]) for f in v["findings"]
-          if f["check"] in ("load-trigger", "load", "cache-live")]
+          if f["check"] in ("load-trigger", "load", "preempt-trigger", "preemption", "cache-live")]
     print(p.split("/")[-3], v["status"], v.get("error_class"), fs)
 PY
     cat "$W"/logs/digest-load-*.out 2>/dev/null
