@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import ast
+import asyncio
 from pathlib import Path
 
 import pytest
 
-from blackbox import config, probes
+from blackbox import config, metrics, probes
 from blackbox.errors import UsageError
+from blackbox.metrics import MetricsSnapshot
+from blackbox.probes import base
 from blackbox.probes.base import Probe
 
 PACKAGE = Path(__file__).resolve().parent.parent / "blackbox"
@@ -106,3 +109,30 @@ def test_the_cli_takes_probe_all_and_repeats() -> None:
     assert probes_of("--probe", "all") == probes.IN_ALL
     assert probes_of("--probe", "all", "--probe", "load") == (*probes.IN_ALL, "load")
     assert probes_of("--probe", "held-prefix", "--probe", "cold-race") == ("held-prefix", "cold-race")
+
+
+class _Counting:
+    """An endpoint whose cache-hit counter moves on the scrapes listed, then holds still."""
+
+    def __init__(self, moves_on: set[int]) -> None:
+        self.scrapes, self.hits, self.moves_on = 0, 0.0, moves_on
+
+    async def metrics(self) -> MetricsSnapshot:
+        self.scrapes += 1
+        if self.scrapes in self.moves_on:
+            self.hits += 16
+        return MetricsSnapshot({(metrics.CACHE_HITS, ()): self.hits})
+
+
+def test_settle_waits_out_a_counter_that_moves_and_returns_its_last_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(base, "SETTLE_POLL_S", 0.0)
+    endpoint = _Counting({2, 4})
+    got = asyncio.run(base.settle(endpoint, limit_s=5.0))  # type: ignore[arg-type]
+    assert got.value(metrics.CACHE_HITS) == 32
+    assert endpoint.scrapes == 4 + base.SETTLE_STABLE  # the last move, then that many unchanged in a row
+
+
+def test_settle_gives_up_at_its_limit_on_a_counter_that_never_stops() -> None:
+    endpoint = _Counting(set(range(1, 10_000)))
+    got = asyncio.run(base.settle(endpoint, limit_s=0.35))  # type: ignore[arg-type]
+    assert got.value(metrics.CACHE_HITS) == 16 * endpoint.scrapes  # the last scrape's, still moving

@@ -117,14 +117,22 @@ class Probe(ABC):
         return frozenset()
 
 
+# vLLM (AsyncLLM.output_handler, 0.26-0.32) records a step's counters right after it hands the step's outputs to
+# their requests, with no await in between, so a counter trails the response that carries its step by no more than
+# the scrape itself; two unchanged scrapes 0.1 s apart see it settled. (0.5 s apart cost a run 1 s of idle servers
+# per settle for nothing: bench/results/overhead.md.) Traffic from others keeps it polling, up to `limit_s`.
+SETTLE_POLL_S = 0.1
+SETTLE_STABLE = 2
+
+
 async def settle(endpoint: Endpoint, limit_s: float) -> MetricsSnapshot:
-    """vLLM updates counters after responding: poll until the counters we read stop moving."""
+    """Poll until the counters we read stop moving: SETTLE_STABLE scrapes in a row unchanged, or `limit_s`."""
     keys = (metrics.CACHE_HITS, metrics.CACHE_QUERIES, metrics.DRAFTS, metrics.ACCEPTED)
     deadline = time.monotonic() + limit_s
     last = await endpoint.metrics()
     stable = 0
-    while time.monotonic() < deadline and stable < 2:
-        await asyncio.sleep(0.5)
+    while time.monotonic() < deadline and stable < SETTLE_STABLE:
+        await asyncio.sleep(SETTLE_POLL_S)
         current = await endpoint.metrics()
         same = all(current.value(k) == last.value(k) for k in keys)
         stable = stable + 1 if same else 0
