@@ -357,19 +357,22 @@ v4() { # SPECS
 # (ConfigMismatch). A spec may add :CONC (blackbox --concurrency, conversations in flight; default 8) and :MAXLEN
 # (every role's --max-model-len, so that fewer blocks than an 8192-token request's ~62 start); LOAD_BB_ARGS is
 # appended to every load run's blackbox call (sixth preemption try, 2026-12-06: fewer in flight at small caches).
+# A last :RBLOCKS gives the reference its own block count: without MTP's KV group a reference block holds twice the
+# tokens (vLLM's "Maximum concurrency" reads 2.26x against the treatment's 1.13x at 70 blocks), so RBLOCKS = BLOCKS/2
+# puts both arms under the same pressure, as servers/profiles.py's cpu-tiny-preempt does.
 # `loadsum` prints what a call reads back: counters, server-log lines, verdicts, digests.
 # LOAD_PROBE=preemption runs the preemption probe on these triples instead (tenth sitting, issue 23: turn 1s
 # preempted under async scheduling, each graded against its recomputation alone; it needs the reference preempted
-# too, and on the GPU every role has the same 288-token blocks, so every role gets the same count); spec names
-# keep the `load-` prefix, which the log and digest globs below read.
+# too, so give it half the blocks, :RBLOCKS); spec names keep the `load-` prefix, which the log and digest globs
+# below read.
 LOAD_PROBE=${LOAD_PROBE:-load}
 LOAD_SPECS=${LOAD_SPECS:-"load-clean:-:8510:170:0 load-recycled:recycled-block:8520:170:0"}
 LOAD_METRICS=(--kv-cache-metrics --kv-cache-metrics-sample 1.0)
 
 start_load() { # SPECS
-    local name fault port blocks seed0 conc maxlen
+    local name fault port blocks seed0 conc maxlen rblocks
     for spec in $1; do
-        IFS=: read -r name fault port blocks seed0 conc maxlen <<<"$spec"
+        IFS=: read -r name fault port blocks seed0 conc maxlen rblocks <<<"$spec"
         local kv=("${KV[@]}" --num-gpu-blocks-override "$blocks" "${LOAD_METRICS[@]}")
         [ -n "$maxlen" ] && kv+=(--max-model-len "$maxlen")
         if [ "$fault" = - ]; then
@@ -378,6 +381,7 @@ start_load() { # SPECS
             $D serve "f-$name" treatment "$port" --fault "$fault" -- "${kv[@]}"
         fi
         $D serve "c-$name" control $((port + 1)) -- "${kv[@]}"
+        [ -n "$rblocks" ] && kv+=(--num-gpu-blocks-override "$rblocks") # the later flag wins
         $D serve "r-$name" reference $((port + 2)) -- "${kv[@]}"
     done
 }
@@ -407,16 +411,16 @@ series_load() { # NAME FAULT PORT SEED0 [CONC]
 }
 
 load_step() { # SPECS
-    local name fault port blocks seed0 conc maxlen ports=() f i role prefix
+    local name fault port blocks seed0 conc maxlen rblocks ports=() f i role prefix
     rm -f "$W/load-done"
     for spec in $1; do
-        IFS=: read -r name fault port blocks seed0 conc maxlen <<<"$spec"
+        IFS=: read -r name fault port blocks seed0 conc maxlen rblocks <<<"$spec"
         ports+=("$port" $((port + 1)) $((port + 2)))
     done
     $D wait $(($(left) - ${PROBE_RESERVE:-200})) "${ports[@]}"
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv
     for spec in $1; do
-        IFS=: read -r name fault port blocks seed0 conc maxlen <<<"$spec"
+        IFS=: read -r name fault port blocks seed0 conc maxlen rblocks <<<"$spec"
         series_load "$name" "$fault" "$port" "$seed0" "$conc" &
     done
     wait
@@ -425,7 +429,7 @@ load_step() { # SPECS
             "$(grep -m1 -o 'Asynchronous scheduling is [a-z]*' "$f")"
     done
     for spec in $1; do # a server that died under load: the end of its log is the finding
-        IFS=: read -r name fault port blocks seed0 conc maxlen <<<"$spec"
+        IFS=: read -r name fault port blocks seed0 conc maxlen rblocks <<<"$spec"
         for f in 0:treatment:f 1:control:c 2:reference:r; do
             IFS=: read -r i role prefix <<<"$f"
             healthy $((port + i)) && continue
@@ -438,7 +442,7 @@ load_step() { # SPECS
 }
 
 load_sum() { # SPECS: what a call reads back, after (or while) `load` runs
-    local name fault port blocks seed0 conc maxlen i f
+    local name fault port blocks seed0 conc maxlen rblocks i f
     date -u
     grep -v "^ *$" "$W/logs/loadbg.log" 2>/dev/null | tail -30
     for f in "$W"/logs/*-load-*/*.log; do
@@ -446,7 +450,7 @@ load_sum() { # SPECS: what a call reads back, after (or while) `load` runs
             "| errors $(grep -c ERROR "$f") | preempt lines $(grep -ci preempt "$f")"
     done
     for spec in $1; do
-        IFS=: read -r name fault port blocks seed0 conc maxlen <<<"$spec"
+        IFS=: read -r name fault port blocks seed0 conc maxlen rblocks <<<"$spec"
         for i in 0 1 2; do
             echo "$name $((port + i)) $(curl -s -m5 "$(url $((port + i)))/metrics" |
                 grep -E '^vllm:(num_preemptions_total|kv_block_idle_before_evict_seconds_count)' | sed 's/{.*}//' |
