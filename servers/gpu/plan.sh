@@ -369,10 +369,13 @@ LOAD_PROBE=${LOAD_PROBE:-load}
 LOAD_SPECS=${LOAD_SPECS:-"load-clean:-:8510:170:0 load-recycled:recycled-block:8520:170:0"}
 LOAD_METRICS=(--kv-cache-metrics --kv-cache-metrics-sample 1.0)
 
+# One spec's fields into the caller's locals (bash scoping: the caller declares them `local`).
+load_spec() { IFS=: read -r name fault port blocks seed0 conc maxlen rblocks <<<"$1"; }
+
 start_load() { # SPECS
     local name fault port blocks seed0 conc maxlen rblocks
     for spec in $1; do
-        IFS=: read -r name fault port blocks seed0 conc maxlen rblocks <<<"$spec"
+        load_spec "$spec"
         local kv=("${KV[@]}" --num-gpu-blocks-override "$blocks" "${LOAD_METRICS[@]}")
         [ -n "$maxlen" ] && kv+=(--max-model-len "$maxlen")
         if [ "$fault" = - ]; then
@@ -414,13 +417,13 @@ load_step() { # SPECS
     local name fault port blocks seed0 conc maxlen rblocks ports=() f i role prefix
     rm -f "$W/load-done"
     for spec in $1; do
-        IFS=: read -r name fault port blocks seed0 conc maxlen rblocks <<<"$spec"
+        load_spec "$spec"
         ports+=("$port" $((port + 1)) $((port + 2)))
     done
     $D wait $(($(left) - ${PROBE_RESERVE:-200})) "${ports[@]}"
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv
     for spec in $1; do
-        IFS=: read -r name fault port blocks seed0 conc maxlen rblocks <<<"$spec"
+        load_spec "$spec"
         series_load "$name" "$fault" "$port" "$seed0" "$conc" &
     done
     wait
@@ -429,7 +432,7 @@ load_step() { # SPECS
             "$(grep -m1 -o 'Asynchronous scheduling is [a-z]*' "$f")"
     done
     for spec in $1; do # a server that died under load: the end of its log is the finding
-        IFS=: read -r name fault port blocks seed0 conc maxlen rblocks <<<"$spec"
+        load_spec "$spec"
         for f in 0:treatment:f 1:control:c 2:reference:r; do
             IFS=: read -r i role prefix <<<"$f"
             healthy $((port + i)) && continue
@@ -450,7 +453,7 @@ load_sum() { # SPECS: what a call reads back, after (or while) `load` runs
             "| errors $(grep -c ERROR "$f") | preempt lines $(grep -ci preempt "$f")"
     done
     for spec in $1; do
-        IFS=: read -r name fault port blocks seed0 conc maxlen rblocks <<<"$spec"
+        load_spec "$spec"
         for i in 0 1 2; do
             echo "$name $((port + i)) $(curl -s -m5 "$(url $((port + i)))/metrics" |
                 grep -E '^vllm:(num_preemptions_total|kv_block_idle_before_evict_seconds_count)' | sed 's/{.*}//' |
