@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from blackbox import comparability, errors, gates, geometry, guard, probes, sequential, yardstick
 from blackbox.client import Endpoint
@@ -21,6 +22,8 @@ from blackbox.probes.base import DriveContext, Driven, Progress, settle
 from blackbox.server_info import ServerInfo
 from blackbox.store import RunStore, load_history, load_preflight, load_servers
 from blackbox.verdict import Finding, Status, Verdict, merge
+
+T = TypeVar("T")
 
 __all__ = ["RunResult", "judge", "run"]
 
@@ -179,15 +182,20 @@ async def _drive(
 ) -> tuple[History | None, geometry.Geometry, list[Finding]]:
     total = _planned(config, endpoints)  # the one denominator of every progress line of the run
     progress(0, total, "checking servers")
-    for endpoint in endpoints.values():
-        await endpoint.ready()
-    before = {arm: await e.metrics() for arm, e in endpoints.items()}
+    arms = list(endpoints)
+
+    async def each(call: Callable[[str, Endpoint], Awaitable[T]]) -> dict[str, T]:
+        """`call` on every arm at once (the servers are separate), keyed by arm."""
+        return dict(zip(arms, await asyncio.gather(*(call(a, endpoints[a]) for a in arms)), strict=True))
+
+    await each(lambda _a, e: e.ready())
+    before = await each(lambda _a, e: e.metrics())
     for arm, snap in before.items():
         store.write_text(f"metrics/{arm}-before.prom", snap.text)
-    infos = {arm: await e.info(before[arm]) for arm, e in endpoints.items()}
+    infos = await each(lambda a, e: e.info(before[a]))
     store.write_json("servers.json", {arm: info.to_json() for arm, info in infos.items()})
     salt = f"blackbox-{store.path.name}"
-    facts = {arm: await comparability.gather(e, before[arm], salt, store.record) for arm, e in endpoints.items()}
+    facts = await each(lambda a, e: comparability.gather(e, before[a], salt, store.record))
     preflight = comparability.check(facts, config.grading.hard_margin, infos, config.probes)
     store.write_json("preflight.json", [f.to_json() for f in preflight])
     known = [f.max_model_len for f in facts.values() if f.max_model_len is not None]

@@ -5,14 +5,21 @@ from __future__ import annotations
 import ast
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
+from fake_server import FakeVLLM
 
 from blackbox import config, metrics, probes
+from blackbox.client import Endpoint
 from blackbox.errors import UsageError
+from blackbox.geometry import Geometry
+from blackbox.history import Arm
 from blackbox.metrics import MetricsSnapshot
 from blackbox.probes import base
 from blackbox.probes.base import Probe
+from blackbox.probes.multiturn import _multiturn
+from blackbox.workload import plan_conversation
 
 PACKAGE = Path(__file__).resolve().parent.parent / "blackbox"
 
@@ -136,3 +143,57 @@ def test_settle_gives_up_at_its_limit_on_a_counter_that_never_stops() -> None:
     endpoint = _Counting(set(range(1, 10_000)))
     got = asyncio.run(base.settle(endpoint, limit_s=0.35))  # type: ignore[arg-type]
     assert got.value(metrics.CACHE_HITS) == 16 * endpoint.scrapes  # the last scrape's, still moving
+
+
+def test_the_multiturn_probe_sizes_prompts_beside_its_conversations_not_all_first() -> None:
+    """Sized all first, the servers sat idle while ~10 /tokenize calls a prompt ran for every conversation. Now
+    the first turn 1 goes out before the last prompt is sized, and the plans are the ones sizing alone gives."""
+    events: list[str] = []
+
+    def logged(ep: Endpoint) -> Endpoint:
+        count, chat = ep.count_tokens, ep.chat
+
+        async def counted(messages: Any, **kw: Any) -> int:
+            events.append("size")
+            return await count(messages, **kw)
+
+        async def chatted(body: Any, **kw: Any) -> Any:
+            events.append(f"chat {kw['conversation']} {kw['kind']}")
+            return await chat(body, **kw)
+
+        ep.count_tokens, ep.chat = counted, chatted  # type: ignore[method-assign]
+        return ep
+
+    async def drive(urls: dict[str, str]) -> tuple[list[Any], list[Any], list[Any], list[Any], list[str]]:
+        endpoints = {arm: logged(Endpoint(arm, url)) for arm, url in urls.items()}
+        for ep in endpoints.values():
+            await ep.ready()
+        cfg = config.RunConfig(
+            treatment=urls[Arm.TREATMENT],
+            control=urls[Arm.CONTROL],
+            reference=urls[Arm.REFERENCE],
+            conversations=6,
+            concurrency=2,
+        )
+        geo = Geometry(16, "test", 4096)
+        try:
+            own, extras, exchanges = await _multiturn(cfg, endpoints, geo, "salt", lambda e: e, lambda *_: None)
+            during = list(events)
+            alone = [
+                await plan_conversation(p.index, cfg.seed, cfg.shape, 16, 4096, endpoints[Arm.TREATMENT].count_tokens)
+                for p in (*own, *extras)
+            ]
+        finally:
+            await asyncio.gather(*(e.aclose() for e in endpoints.values()))
+        return own, extras, exchanges, alone, during
+
+    with FakeVLLM() as t, FakeVLLM(caching=False) as c, FakeVLLM(speculative=False) as r:
+        own, extras, exchanges, alone, during = asyncio.run(
+            drive({Arm.TREATMENT: t.url, Arm.CONTROL: c.url, Arm.REFERENCE: r.url})
+        )
+    chats = [i for i, e in enumerate(during) if e.startswith("chat")]
+    sizes = [i for i, e in enumerate(during) if e == "size"]
+    assert chats and sizes and chats[0] < sizes[-1], "every prompt was sized before the first turn 1 went out"
+    assert [p.index for p in own] == list(range(6)) and len(extras) == 6
+    assert [*own, *extras] == alone
+    assert all(e.ok for e in exchanges)

@@ -211,8 +211,9 @@ CASES = [
         "server-killed-mid-run",
         "EndpointError",
         4,
-        # The settled scrape or the requests' own failures may be the first to tell: both name the server.
-        SERVER + r": (GET /metrics|POST /v1/chat/completions) failed: ConnectError",
+        # The settled scrape, the requests' own failures or a later prompt's sizing (run beside the conversations)
+        # may be the first to tell: each names the server.
+        SERVER + r": (GET /metrics|POST /v1/chat/completions|POST /tokenize) failed: ConnectError",
         treatment=lambda me: {"fault": chat_fault(lambda n: Kill() if n >= 3 else None)},
         retries=lambda rs: any("ConnectError" in r["reason"] for r in rs),
     ),
