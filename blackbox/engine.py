@@ -10,7 +10,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from blackbox import comparability, errors, gates, geometry, guard, probes, sequential, yardstick
 from blackbox.client import Endpoint
@@ -185,10 +185,18 @@ async def _drive(
     arms = list(endpoints)
 
     async def each(call: Callable[[str, Endpoint], Awaitable[T]]) -> dict[str, T]:
-        """`call` on every arm at once (the servers are separate), keyed by arm."""
-        return dict(zip(arms, await asyncio.gather(*(call(a, endpoints[a]) for a in arms)), strict=True))
+        """`call` on every arm at once (separate servers, each of which has answered), keyed by arm. A failure is
+        raised once every call has ended, the first arm's in order: which server an error names must not depend
+        on which answered first, and no request is left in flight."""
+        done = await asyncio.gather(*(call(a, endpoints[a]) for a in arms), return_exceptions=True)
+        for result in done:
+            if isinstance(result, BaseException):
+                raise result
+        return {a: cast(T, r) for a, r in zip(arms, done, strict=True)}
 
-    await each(lambda _a, e: e.ready())
+    # One at a time, in order: the first server that is down or misconfigured is named, and none after it is asked.
+    for endpoint in endpoints.values():
+        await endpoint.ready()
     before = await each(lambda _a, e: e.metrics())
     for arm, snap in before.items():
         store.write_text(f"metrics/{arm}-before.prom", snap.text)
