@@ -12,7 +12,7 @@ from fake_server import FakeVLLM
 
 from blackbox import config, metrics, probes
 from blackbox.client import Endpoint
-from blackbox.errors import UsageError
+from blackbox.errors import EndpointError, UsageError
 from blackbox.geometry import Geometry
 from blackbox.history import Arm
 from blackbox.metrics import MetricsSnapshot
@@ -145,36 +145,42 @@ def test_settle_gives_up_at_its_limit_on_a_counter_that_never_stops() -> None:
     assert got.value(metrics.CACHE_HITS) == 16 * endpoint.scrapes  # the last scrape's, still moving
 
 
+def _logged(ep: Endpoint, events: list[str]) -> Endpoint:
+    """`ep`, noting each prompt sized ("size") and each chat request ("chat CONVERSATION KIND") in `events`."""
+    count, chat = ep.count_tokens, ep.chat
+
+    async def counted(messages: Any, **kw: Any) -> int:
+        events.append("size")
+        return await count(messages, **kw)
+
+    async def chatted(body: Any, **kw: Any) -> Any:
+        events.append(f"chat {kw['conversation']} {kw['kind']}")
+        return await chat(body, **kw)
+
+    ep.count_tokens, ep.chat = counted, chatted  # type: ignore[method-assign]
+    return ep
+
+
+def _pair_config(urls: dict[str, str]) -> config.RunConfig:
+    return config.RunConfig(
+        treatment=urls[Arm.TREATMENT],
+        control=urls[Arm.CONTROL],
+        reference=urls[Arm.REFERENCE],
+        conversations=6,
+        concurrency=2,
+    )
+
+
 def test_the_multiturn_probe_sizes_prompts_beside_its_conversations_not_all_first() -> None:
     """Sized all first, the servers sat idle while ~10 /tokenize calls a prompt ran for every conversation. Now
     the first turn 1 goes out before the last prompt is sized, and the plans are the ones sizing alone gives."""
     events: list[str] = []
 
-    def logged(ep: Endpoint) -> Endpoint:
-        count, chat = ep.count_tokens, ep.chat
-
-        async def counted(messages: Any, **kw: Any) -> int:
-            events.append("size")
-            return await count(messages, **kw)
-
-        async def chatted(body: Any, **kw: Any) -> Any:
-            events.append(f"chat {kw['conversation']} {kw['kind']}")
-            return await chat(body, **kw)
-
-        ep.count_tokens, ep.chat = counted, chatted  # type: ignore[method-assign]
-        return ep
-
     async def drive(urls: dict[str, str]) -> tuple[list[Any], list[Any], list[Any], list[Any], list[str]]:
-        endpoints = {arm: logged(Endpoint(arm, url)) for arm, url in urls.items()}
+        endpoints = {arm: _logged(Endpoint(arm, url), events) for arm, url in urls.items()}
         for ep in endpoints.values():
             await ep.ready()
-        cfg = config.RunConfig(
-            treatment=urls[Arm.TREATMENT],
-            control=urls[Arm.CONTROL],
-            reference=urls[Arm.REFERENCE],
-            conversations=6,
-            concurrency=2,
-        )
+        cfg = _pair_config(urls)
         geo = Geometry(16, "test", 4096)
         try:
             own, extras, exchanges = await _multiturn(cfg, endpoints, geo, "salt", lambda e: e, lambda *_: None)
@@ -197,3 +203,39 @@ def test_the_multiturn_probe_sizes_prompts_beside_its_conversations_not_all_firs
     assert [p.index for p in own] == list(range(6)) and len(extras) == 6
     assert [*own, *extras] == alone
     assert all(e.ok for e in exchanges)
+
+
+def test_a_prompt_that_cannot_be_sized_is_raised_once_no_conversation_is_left_sending() -> None:
+    """Sizing runs beside the conversations now: when a later prompt's /tokenize fails, the conversations already
+    under way finish, the error is raised after them, and nothing is sent once it has been."""
+    events: list[str] = []
+
+    async def drive(urls: dict[str, str]) -> int:
+        endpoints = {arm: _logged(Endpoint(arm, url), events) for arm, url in urls.items()}
+        count, calls = endpoints[Arm.TREATMENT].count_tokens, 0
+
+        async def failing(messages: Any, **kw: Any) -> int:
+            nonlocal calls
+            calls += 1
+            if calls > 40:  # about the fifth prompt on: the first ones are being sent by then
+                raise EndpointError("treatment: POST /tokenize failed: test")
+            return await count(messages, **kw)
+
+        endpoints[Arm.TREATMENT].count_tokens = failing  # type: ignore[method-assign]
+        try:
+            for ep in endpoints.values():
+                await ep.ready()
+            with pytest.raises(EndpointError, match="POST /tokenize failed: test"):
+                await _multiturn(
+                    _pair_config(urls), endpoints, Geometry(16, "t", 4096), "s", lambda e: e, lambda *_: None
+                )
+            raised = len(events)
+            await asyncio.sleep(0.5)  # time for a conversation left running to send its next request
+            return raised
+        finally:
+            await asyncio.gather(*(e.aclose() for e in endpoints.values()))
+
+    with FakeVLLM() as t, FakeVLLM(caching=False) as c, FakeVLLM(speculative=False) as r:
+        raised = asyncio.run(drive({Arm.TREATMENT: t.url, Arm.CONTROL: c.url, Arm.REFERENCE: r.url}))
+    assert any(e.startswith("chat") for e in events[:raised]), "no conversation had started: nothing was tested"
+    assert events[raised:] == [], "a conversation went on sending after the error was raised"

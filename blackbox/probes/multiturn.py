@@ -545,7 +545,10 @@ async def _multiturn(
 
     async def one(i: int) -> list[Exchange]:
         nonlocal done
-        plan = await plans[i]
+        try:
+            plan = await plans[i]
+        except Exception:  # raised below, after the others have ended: none is left sending
+            return []
         out = await _conversation(config, endpoints, plan, salt, record, geo.block_size)
         done += 1
         progress(done, total, f"conversation {plan.index} done")
@@ -553,11 +556,12 @@ async def _multiturn(
 
     try:
         results = await gather_bounded(config.concurrency, *(one(i) for i in order))
-    finally:
+    finally:  # cancelled: the prompts not yet sized are not
         for task in plans.values():
             task.cancel()
         await asyncio.gather(*plans.values(), return_exceptions=True)
-    return [plans[i].result() for i in own], [plans[i].result() for i in extras], [e for r in results for e in r]
+    sized = {i: plans[i].result() for i in order}  # the first prompt that could not be sized, in sending order
+    return [sized[i] for i in own], [sized[i] for i in extras], [e for r in results for e in r]
 
 
 async def _conversation(
