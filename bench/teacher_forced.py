@@ -26,19 +26,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from blackbox.client import parse_chat
 from blackbox.compare import deviation
 from blackbox.evidence import Sample, judge_samples
 from blackbox.history import TokenLogprob
 
 TURN1, AGAIN = "preempt-a", "preempt-a-fresh"
 TOP = 5  # the probe's top_logprobs
-
-
-def token_logprobs(content: list[dict[str, Any]]) -> list[TokenLogprob]:
-    return [
-        TokenLogprob(d["token"], d["logprob"], tuple((t["token"], t["logprob"]) for t in d.get("top_logprobs") or ()))
-        for d in content
-    ]
 
 
 async def post(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -86,10 +80,8 @@ async def run_folder(folder: Path, urls: dict[str, str], ids: dict[str, int], ma
         async def one(e: dict[str, Any]) -> tuple[str, int, dict[str, float]]:
             async with bound:
                 forced = await scored(client, urls[e["arm"]], e, ids)
-            answer = token_logprobs(e["response"]["choices"][0]["logprobs"]["content"])
-            recomputed = token_logprobs(
-                again[(e["arm"], e["conversation"])]["response"]["choices"][0]["logprobs"]["content"]
-            )
+            answer = parse_chat(e["response"])["tokens"]
+            recomputed = parse_chat(again[(e["arm"], e["conversation"])]["response"])["tokens"]
             whole = max((a.gap(b) for a, b in zip(answer, forced, strict=True)), default=0.0)
             return (
                 e["arm"],

@@ -556,7 +556,7 @@ async def _multiturn(
 
     try:
         results = await gather_bounded(config.concurrency, *(one(i) for i in order))
-    finally:  # cancelled: the prompts not yet sized are not
+    finally:  # on cancellation, the prompts not yet sized are cancelled too
         for task in plans.values():
             task.cancel()
         await asyncio.gather(*plans.values(), return_exceptions=True)
