@@ -8,6 +8,7 @@ needle. The probe shares only turn 1's document, so its hit ends in the prefill-
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -141,17 +142,17 @@ async def plan_conversation(
         )
     rng = random.Random(f"blackbox:{seed}:{index}")
     doc = _document(rng, shape, sentences=max(8, target // 4))
-    lo, hi = 0, len(doc.sentences)
-    if await count(turn1_messages(doc.text(hi))) < target:
+    whole = len(doc.sentences)
+    at_whole = await count(turn1_messages(doc.text(whole)))
+    if at_whole < target:
         raise GeometryUnsupported(f"could not write a {target}-token document", hint="lower --prompt-blocks")
-    while lo < hi:  # largest sentence count whose prompt fits under the target
-        mid = (lo + hi + 1) // 2
-        if await count(turn1_messages(doc.text(mid))) <= target:
-            lo = mid
-        else:
-            hi = mid - 1
-    text = await _pad(doc.text(lo), target, rng, count)
-    tokens = await count(turn1_messages(text))
+    # The largest sentence count whose prompt fits under the target; none is measured at 0 (the search assumes it
+    # fits, and a prompt that does not ends with no fact in it, below).
+    per_char = at_whole / max(1, len(doc.text(whole)))
+    lo, at_lo = await _largest_fitting(
+        lambda n: count(turn1_messages(doc.text(n))), 0, None, whole, at_whole, target, at_whole / max(1, whole)
+    )
+    text, tokens = await _pad(doc.text(lo), at_lo, target, rng, count, per_char)
     present = [n for n in doc.needles if f"the code of {n[0]} is" in text]
     if not present:
         raise GeometryUnsupported(
@@ -169,14 +170,69 @@ async def plan_conversation(
     )
 
 
-async def _pad(text: str, target: int, rng: random.Random, count: TokenCounter) -> str:
-    """Add single words until the prompt is as close under the target as one more word allows."""
-    for _ in range(64):
-        longer = f"{text} {rng.choice(FILLER)}"
-        if await count(turn1_messages(longer)) > target:
-            break
-        text = longer
-    return text
+_PAD_WORDS = 64
+
+
+async def _pad(
+    text: str, at_text: int | None, target: int, rng: random.Random, count: TokenCounter, per_char: float
+) -> tuple[str, int]:
+    """Add single filler words until the prompt is as close under the target as one more word allows; the text and
+    its token count. The words are the ones drawn one at a time until the first that overshoots (at most 64), and
+    `rng` is left as that loop leaves it, so a plan is the same whichever way the count is searched."""
+    state = rng.getstate()
+    words = [rng.choice(FILLER) for _ in range(_PAD_WORDS)]
+
+    def padded(k: int) -> str:
+        return text + "".join(f" {w}" for w in words[:k])
+
+    per_word = per_char * (1 + sum(map(len, FILLER)) / len(FILLER))
+    k, at_k = await _largest_fitting(
+        lambda k: count(turn1_messages(padded(k))), 0, at_text, _PAD_WORDS, None, target, per_word
+    )
+    rng.setstate(state)
+    for _ in range(min(k + 1, _PAD_WORDS)):  # the words the one-at-a-time loop drew, the overshooting one too
+        rng.choice(FILLER)
+    return padded(k), at_k if at_k is not None else await count(turn1_messages(padded(k)))
+
+
+async def _largest_fitting(
+    measure: Callable[[int], Awaitable[int]],
+    lo: int,
+    at_lo: int | None,
+    hi: int,
+    at_hi: int | None,
+    target: int,
+    slope: float,
+) -> tuple[int, int | None]:
+    """The largest n in [lo, hi] whose measure is at most `target`, and its measure where measured, for a measure
+    that never falls as n grows; `lo` is taken to fit. Bisection's answer in fewer /tokenize calls: a prompt's
+    tokens grow nearly linearly with its sentences or words, so each guess extrapolates from the fitting end (else
+    the other) along the slope of the last two counts (`slope` tokens a step until there are two). Once a search
+    has taken as many calls as bisection would, it bisects, so an odd tokenizer costs at most about twice as many."""
+    if at_hi is not None and at_hi <= target:
+        return hi, at_hi
+    over = hi if at_hi is not None else hi + 1  # the smallest n known not to fit, or one past the range
+    last: list[tuple[int, int]] = [(hi, at_hi)] if at_hi is not None else []
+    calls, patience = 0, (over - lo).bit_length() + 1
+    while over - lo > 1:
+        if calls >= patience:
+            guess = (lo + over) // 2
+        else:
+            if len(last) == 2 and last[0][0] != last[1][0] and last[0][1] != last[1][1]:
+                slope = (last[1][1] - last[0][1]) / (last[1][0] - last[0][0])
+            if at_lo is not None or at_hi is None:
+                guess = lo + math.floor((target - (at_lo or 0)) / slope)
+            else:
+                guess = math.floor(over - (at_hi - target) / slope)
+            guess = min(max(guess, lo + 1), over - 1)
+        value = await measure(guess)
+        calls += 1
+        last = [*last[-1:], (guess, value)]
+        if value <= target:
+            lo, at_lo = guess, value
+        else:
+            over, at_hi = guess, value
+    return lo, at_lo
 
 
 def resume_cut(text: str, tokens: Sequence[str], keep: int) -> str:

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import random
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import pytest
 
 from blackbox import errors
 from blackbox.history import Plan
-from blackbox.workload import Shape, TokenCounter, plan_conversation, turn1_body, turn2_body, turn2_messages
+from blackbox.vocabulary import FILLER
+from blackbox.workload import (
+    Shape,
+    TokenCounter,
+    _document,
+    _largest_fitting,
+    plan_conversation,
+    question_for,
+    turn1_body,
+    turn1_messages,
+    turn2_body,
+    turn2_messages,
+)
 
 TEMPLATE = 5  # tokens a chat template adds around the messages
 
@@ -33,6 +46,101 @@ async def plan(
     max_model_len: int = 4096,
 ) -> Plan:
     return await plan_conversation(index, seed, shape or Shape(), block, max_model_len, count)
+
+
+async def count_lumpy(messages: Sequence[Mapping[str, str]]) -> int:
+    """Token costs that vary from word to word (1-4) without following their length: no straight line fits."""
+    return TEMPLATE + sum(1 + sum(map(ord, w)) % 4 for m in messages for w in m["content"].split())
+
+
+def counted(count: TokenCounter) -> tuple[TokenCounter, list[int]]:
+    calls: list[int] = []
+
+    async def wrapped(messages: Sequence[Mapping[str, str]]) -> int:
+        calls.append(1)
+        return await count(messages)
+
+    return wrapped, calls
+
+
+async def sized_by_bisection(index: int, seed: int, shape: Shape, block: int, count: TokenCounter) -> tuple[str, str]:
+    """The sizing as it was until 2026-12-07, kept as the oracle: bisection over sentences, then filler words one at
+    a time until one overshoots; turn 1's text and the question asked."""
+    target = shape.prompt_blocks * block - shape.margin
+    rng = random.Random(f"blackbox:{seed}:{index}")
+    doc = _document(rng, shape, sentences=max(8, target // 4))
+    lo, hi = 0, len(doc.sentences)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if await count(turn1_messages(doc.text(mid))) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    text = doc.text(lo)
+    for _ in range(64):
+        longer = f"{text} {rng.choice(FILLER)}"
+        if await count(turn1_messages(longer)) > target:
+            break
+        text = longer
+    present = [n for n in doc.needles if f"the code of {n[0]} is" in text]
+    return turn1_messages(text)[0]["content"], question_for(rng.choice(present)[0])
+
+
+@pytest.mark.parametrize("count", [count_words, count_subwords, count_lumpy])
+async def test_plans_are_the_ones_bisection_finds_in_fewer_tokenize_calls(count: TokenCounter) -> None:
+    # Each /tokenize call is a request to the server under test during the run: the search must find exactly the
+    # prompt the slower search found (runs stay comparable across versions) with fewer of them.
+    ours, ours_calls = counted(count)
+    theirs, theirs_calls = counted(count)
+    cases = [
+        (i, seed, Shape(prompt_blocks=b, margin=m), block)
+        for i in range(3)
+        for seed in range(3)
+        for b, m, block in [(3, 16, 128), (2, 8, 64), (4, 40, 288)]
+    ]
+    for index, seed, shape, block in cases:
+        p = await plan_conversation(index, seed, shape, block, 32768, ours)
+        assert (p.turn1_messages[0]["content"], p.question) == await sized_by_bisection(
+            index, seed, shape, block, theirs
+        )
+    assert len(ours_calls) < 0.75 * len(theirs_calls)
+
+
+def _stairs(values: Sequence[int]) -> Callable[[int], Awaitable[int]]:
+    async def measure(n: int) -> int:
+        return values[n]
+
+    return measure
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [3 * n + 7 for n in range(200)],  # a straight line
+        [n * n for n in range(200)],  # curving away from the first slope
+        [0] * 150 + [1000 + n for n in range(50)],  # flat, then a cliff: interpolation's worst case
+        [n // 9 for n in range(200)],  # long plateaus
+        [10 + 2 * n + (n * 7919) % 5 for n in range(200)],  # a line with noise of a few tokens
+    ],
+)
+@pytest.mark.parametrize("target", [0, 5, 99, 150, 1100, 10**6])
+async def test_the_search_finds_the_largest_fitting_step_within_twice_bisections_calls(
+    values: list[int], target: int
+) -> None:
+    calls: list[int] = []
+    stairs = _stairs(values)
+
+    async def measure(n: int) -> int:
+        calls.append(n)
+        return await stairs(n)
+
+    hi = len(values) - 1
+    found, at = await _largest_fitting(measure, 0, None, hi, values[hi], target, values[hi] / hi)
+    fitting = [n for n in range(1, hi + 1) if values[n] <= target]
+    assert found == (max(fitting) if fitting else 0)
+    assert at is None if found == 0 else at == values[found]
+    assert len(calls) <= 2 * hi.bit_length() + 2
+    assert len(set(calls)) == len(calls)  # nothing counted twice
 
 
 @pytest.mark.parametrize(("prompt_blocks", "margin", "block"), [(3, 16, 128), (2, 8, 64), (4, 16, 256), (3, 4, 16)])
