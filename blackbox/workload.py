@@ -131,7 +131,7 @@ def turn2_messages(plan: Plan, answer: str) -> Messages:
 async def plan_conversation(
     index: int, seed: int, shape: Shape, block_size: int, max_model_len: int, count: TokenCounter
 ) -> Plan:
-    """Find the document length whose turn-1 prompt ends `margin` tokens below a boundary (binary search)."""
+    """Find the document length whose turn-1 prompt ends `margin` tokens below a boundary (`_largest_fitting`)."""
     target = shape.prompt_blocks * block_size - shape.margin
     turn2_budget = target + shape.turn1_tokens(block_size) + 64 + shape.turn2_max_tokens
     if turn2_budget > max_model_len or target <= 0:
