@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import pytest
 
@@ -106,13 +106,6 @@ async def test_plans_are_the_ones_bisection_finds_in_fewer_tokenize_calls(count:
     assert len(ours_calls) < 0.75 * len(theirs_calls)
 
 
-def _stairs(values: Sequence[int]) -> Callable[[int], Awaitable[int]]:
-    async def measure(n: int) -> int:
-        return values[n]
-
-    return measure
-
-
 @pytest.mark.parametrize(
     "values",
     [
@@ -128,11 +121,10 @@ async def test_the_search_finds_the_largest_fitting_step_within_twice_bisections
     values: list[int], target: int
 ) -> None:
     calls: list[int] = []
-    stairs = _stairs(values)
 
     async def measure(n: int) -> int:
         calls.append(n)
-        return await stairs(n)
+        return values[n]
 
     hi = len(values) - 1
     found, at = await _largest_fitting(measure, 0, None, hi, values[hi], target, values[hi] / hi)
