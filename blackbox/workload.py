@@ -150,7 +150,7 @@ async def plan_conversation(
     # fits, and a prompt that does not ends with no fact in it, below).
     per_char = at_whole / max(1, len(doc.text(whole)))
     lo, at_lo = await _largest_fitting(
-        lambda n: count(turn1_messages(doc.text(n))), 0, None, whole, at_whole, target, at_whole / max(1, whole)
+        lambda n: count(turn1_messages(doc.text(n))), None, whole, at_whole, target, at_whole / max(1, whole)
     )
     text, tokens = await _pad(doc.text(lo), at_lo, target, rng, count, per_char)
     present = [n for n in doc.needles if f"the code of {n[0]} is" in text]
@@ -187,7 +187,7 @@ async def _pad(
 
     per_word = per_char * (1 + sum(map(len, FILLER)) / len(FILLER))
     k, at_k = await _largest_fitting(
-        lambda k: count(turn1_messages(padded(k))), 0, at_text, _PAD_WORDS, None, target, per_word
+        lambda k: count(turn1_messages(padded(k))), at_text, _PAD_WORDS, None, target, per_word
     )
     rng.setstate(state)
     for _ in range(min(k + 1, _PAD_WORDS)):  # the words the one-at-a-time loop drew, the overshooting one too
@@ -197,20 +197,21 @@ async def _pad(
 
 async def _largest_fitting(
     measure: Callable[[int], Awaitable[int]],
-    lo: int,
     at_lo: int | None,
     hi: int,
     at_hi: int | None,
     target: int,
     slope: float,
 ) -> tuple[int, int | None]:
-    """The largest n in [lo, hi] whose measure is at most `target`, and its measure where measured, for a measure
-    that never falls as n grows; `lo` is taken to fit. Bisection's answer in fewer /tokenize calls: a prompt's
-    tokens grow nearly linearly with its sentences or words, so each guess extrapolates from the fitting end (else
-    the other) along the slope of the last two counts (`slope` tokens a step until there are two). Once a search
-    has taken as many calls as bisection would, it bisects, so an odd tokenizer costs at most about twice as many."""
+    """The largest n in [0, hi] whose measure is at most `target`, and its measure where measured, for a measure
+    that never falls as n grows; 0 is taken to fit (`at_lo`: its measure, if known). Bisection's answer in fewer
+    /tokenize calls: a prompt's tokens grow nearly linearly with its sentences or words, so each guess extrapolates
+    from the fitting end (else the other) along the slope of the last two counts (`slope` tokens a step until there
+    are two). Once a search has taken as many calls as bisection would, it bisects, so an odd tokenizer costs at
+    most about twice as many."""
     if at_hi is not None and at_hi <= target:
         return hi, at_hi
+    lo = 0
     over = hi if at_hi is not None else hi + 1  # the smallest n known not to fit, or one past the range
     last: list[tuple[int, int]] = [(hi, at_hi)] if at_hi is not None else []
     calls, patience = 0, (over - lo).bit_length() + 1
@@ -218,7 +219,7 @@ async def _largest_fitting(
         if calls >= patience:
             guess = (lo + over) // 2
         else:
-            if len(last) == 2 and last[0][0] != last[1][0] and last[0][1] != last[1][1]:
+            if len(last) == 2 and last[0][1] != last[1][1]:  # every guess is a new n; a plateau gives no slope
                 slope = (last[1][1] - last[0][1]) / (last[1][0] - last[0][0])
             if at_lo is not None or at_hi is None:
                 guess = lo + math.floor((target - (at_lo or 0)) / slope)

@@ -127,7 +127,7 @@ async def test_the_search_finds_the_largest_fitting_step_within_twice_bisections
         return values[n]
 
     hi = len(values) - 1
-    found, at = await _largest_fitting(measure, 0, None, hi, values[hi], target, values[hi] / hi)
+    found, at = await _largest_fitting(measure, None, hi, values[hi], target, values[hi] / hi)
     fitting = [n for n in range(1, hi + 1) if values[n] <= target]
     assert found == (max(fitting) if fitting else 0)
     assert at is None if found == 0 else at == values[found]
