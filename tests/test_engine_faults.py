@@ -23,8 +23,10 @@ CASES = {
     "chunk-end-as-boundary": ("cpu-tiny-fragmented", "cold-race", "race-divergence"),
 }
 SEEDS = (21, 22)
-# A multiturn run takes ~3 min on 2 cores: the full trio runs the second seed and the mode without a control the
-# first, so both seeds and both modes are exercised once; the cold race (~1 min) runs both seeds in full.
+# A multiturn run takes 1.5-5 min on 2 cores, so each fault runs two: stale-checkpoint the full trio at the second
+# seed and the mode without a control at the first; eagle-overrun the mode without a control in rounds at the second
+# (it checks the stop). The cold race (~1.5 min) runs the full trio at the second seed and the treatment alone at the
+# first.
 # The multiturn faults needed 6-26 conversations at full rate against a reference of the same size (bench/results/
 # faults.md, "needed", 20/20 seeds caught at 32 each); a 16-conversation run of seed 22 graded eagle-overrun PASS,
 # truthfully ("... in >= 67% of hits would have been detected"). These tests check that the fault is caught, not
@@ -44,8 +46,9 @@ def _blackbox(
     control: bool = True,
     alone: bool = False,  # the treatment alone: no control, no reference (the staging smoke test)
     rounds: bool = False,  # multiturn in rounds of 8 (--detect) up to the same 32: stops at the look that decides
+    conversations: int = MULTITURN_CONVERSATIONS,
 ) -> tuple[int, dict, str]:
-    length = ("--conversations", str(MULTITURN_CONVERSATIONS))
+    length = ("--conversations", str(conversations))
     if rounds:
         length = ("--detect", "0.2", "--round", "8", "--max-conversations", str(MULTITURN_CONVERSATIONS))
     code, output, _, verdict = blackbox_cli(
@@ -75,49 +78,38 @@ def test_fault_fires_and_is_caught_by_its_grader(fault: str, cpu_fleet: Fleet, t
     profile, probe, catcher = CASES[fault]
     with _treatment(profile, fault, tmp_path / "servers") as fleet:
         fleet.start()
-        for seed in SEEDS if probe == "cold-race" else SEEDS[1:]:
-            # In rounds up to the default 32, which stop at the first look that shows the fault (both are FAIL at
-            # 5-26 conversations: bench/results/faults.md, "needed"); the fixed length is the sporadic and recall
-            # tests' (test_engine_sporadic.py, test_engine_recall.py).
-            code, verdict, output = _blackbox(
-                fleet.urls["treatment"],
-                cpu_fleet,
-                probe,
-                tmp_path / f"runs-{seed}",
-                seed,
-                rounds=probe == "multiturn",
-            )
-            fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get(fault, 0)
-            assert fired > 0, f"{fault} never fired, so this run says nothing about blackbox\n{output}"
-            failing = {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}
-            assert code == 1, output
-            assert verdict["status"] == "FAIL" and verdict["error_class"] == "CorruptionDetected", output
-            # In rounds the run stops at the first look any grader decides; recall sees a lost block too.
-            assert catcher in failing or (probe == "multiturn" and failing <= {"logprob", "recall"}), (
-                seed,
-                failing,
-                output,
-            )
+        treatment = fleet.urls["treatment"]
         if fault == "eagle-overrun":
-            # The single-endpoint mode again, in rounds (--detect): it must stop once the fault is plain.
-            _stops_once_corruption_is_established(fleet.urls["treatment"], cpu_fleet, tmp_path / "runs-detect")
-        elif probe == "multiturn":
-            # The single-endpoint mode (no control, a staging smoke test) sees these faults too: logprob needs
-            # only the reference as its yardstick.
-            code, verdict, output = _blackbox(
-                fleet.urls["treatment"], cpu_fleet, probe, tmp_path / "runs-alone", SEEDS[0], control=False, rounds=True
-            )
-            assert code == 1 and "logprob" in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
+            # The single-endpoint mode in rounds (--detect): it must stop once the fault is plain. The full trio in
+            # rounds is stale-checkpoint's run below; one multiturn run per fault keeps CI's engine time down.
+            verdict, output = _stops_once_corruption_is_established(treatment, cpu_fleet, tmp_path / "runs-detect")
         else:
-            # The cold race needs no other server: its yardstick is the treatment's own cold racers, so the
-            # treatment alone (a staging smoke test) sees this fault by the same grader.
+            # The full trio; multiturn in rounds up to the default 32, which stop at the first look that shows the
+            # fault (5-26 conversations: bench/results/faults.md, "needed").
             code, verdict, output = _blackbox(
-                fleet.urls["treatment"], cpu_fleet, probe, tmp_path / "runs-alone", SEEDS[0], alone=True
+                treatment, cpu_fleet, probe, tmp_path / "runs", SEEDS[1], rounds=probe == "multiturn"
             )
-            assert code == 1 and catcher in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
+            assert code == 1, output
+        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get(fault, 0)
+        assert fired > 0, f"{fault} never fired, so this run says nothing about blackbox\n{output}"
+        failing = {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}
+        assert verdict["status"] == "FAIL" and verdict["error_class"] == "CorruptionDetected", output
+        # In rounds the run stops at the first look any grader decides; recall sees a lost block too.
+        assert catcher in failing or (probe == "multiturn" and failing <= {"logprob", "recall"}), (failing, output)
+        if fault == "eagle-overrun":
+            return
+        # The treatment alone at the other seed, so both seeds run. Multiturn without a control (a staging smoke
+        # test with a reference): logprob needs only the reference as its yardstick. The cold race needs no other
+        # server: its yardstick is the treatment's own cold racers, so the treatment alone sees it by the same grader.
+        multiturn = probe == "multiturn"
+        code, verdict, output = _blackbox(
+            treatment, cpu_fleet, probe, tmp_path / "runs-alone", SEEDS[0], control=False, alone=not multiturn,
+            rounds=multiturn,
+        )  # fmt: skip
+        assert code == 1 and catcher in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
 
 
-def _stops_once_corruption_is_established(treatment: str, shared: Fleet, out: Path) -> None:
+def _stops_once_corruption_is_established(treatment: str, shared: Fleet, out: Path) -> tuple[dict, str]:
     """Issue 24: a run with --detect sends a round at a time and stops at the first look that shows the fault,
     without another round; no control (a staging smoke test with a reference), so logprob is what sees it."""
     code, output, run, verdict = blackbox_cli(
@@ -131,21 +123,23 @@ def _stops_once_corruption_is_established(treatment: str, shared: Fleet, out: Pa
         "--round",
         "8",
         "--max-conversations",
-        "64",
+        str(MULTITURN_CONVERSATIONS),
         "--seed",
-        str(SEEDS[0]),
+        str(SEEDS[1]),  # 16 conversations decided it with the full trio (5-26 across seeds: faults.md, "needed")
     )
     seq = next(f for f in verdict["findings"] if f["check"] == "sequential")["figures"]
     assert (code, verdict["error_class"]) == (1, "CorruptionDetected"), output
     assert "logprob" in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
     looked, sent = seq["stopped_at_look"], seq["conversations"]
-    assert seq["planned_looks"] == 8 and looked < 8 and sent == 8 * looked, output  # stopped before its budget
-    assert f"look {looked} of 8 planned, after {sent} conversations" in verdict["reason"], output
+    assert seq["planned_looks"] == 4 and looked < 4 and sent == 8 * looked, output  # stopped before its budget
+    assert f"look {looked} of 4 planned, after {sent} conversations" in verdict["reason"], output
     plans = json.loads((run / "plans.json").read_text())
     extras = json.loads((run / "yardstick-plans.json").read_text())
     # Not a round more than the look that decided; the reference's extras numbered past the budget.
+    budget = MULTITURN_CONVERSATIONS
     assert [p["index"] for p in plans] == list(range(sent)), output
-    assert [p["index"] for p in extras] == list(range(64, 64 + sent)), output
+    assert [p["index"] for p in extras] == list(range(budget, budget + sent)), output
+    return verdict, output
 
 
 def test_cold_race_passes_on_a_clean_fragmented_treatment(cpu_fleet: Fleet, tmp_path: Path) -> None:
@@ -195,7 +189,8 @@ def test_multiturn_on_a_clean_fragmented_pair_is_no_false_alarm(
     # A prefill chunked mid-block is not bit-exact against recomputation on this engine: the review saw
     # "FAIL exactness: 25 of 25 prefill-region hits differ" here when exactness was assumed. The reference shares
     # the treatment's step budget (it is the treatment's flags without speculative decoding), so the noise is
-    # measured, and a correct engine must PASS.
+    # measured, and a correct engine must PASS. 16 conversations (32 on the reference) are enough for a PASS that
+    # states its power (test_engine_verdict.py's clean pair runs the same length) at half the CI time of 32.
     code, verdict, output = _blackbox(
         fragmented_pair.urls["treatment"],
         cpu_fleet,
@@ -203,6 +198,7 @@ def test_multiturn_on_a_clean_fragmented_pair_is_no_false_alarm(
         tmp_path / "runs",
         23,
         reference=fragmented_pair.urls["reference"],
+        conversations=16,
     )
     checks = {f["check"]: f for f in verdict["findings"]}
     assert verdict["error_class"] != "CorruptionDetected", output

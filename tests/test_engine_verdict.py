@@ -94,43 +94,6 @@ def test_naming_the_recall_grader_on_a_model_that_cannot_recall_is_unknown(cpu_f
     assert verdict["status"] == "UNKNOWN" and verdict["error_class"] == "ControlQualityFailure"
 
 
-def test_the_pytest_plugin_runs_the_same_engine(cpu_fleet: Fleet, tmp_path: Path) -> None:
-    (tmp_path / "test_smoke.py").write_text(
-        "def test_no_corruption(blackbox_result):\n    blackbox_result.assert_pass()\n"
-    )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            str(tmp_path / "test_smoke.py"),
-            "--blackbox-treatment",
-            cpu_fleet.urls["treatment"],
-            "--blackbox-control",
-            cpu_fleet.urls["control"],
-            "--blackbox-reference",
-            cpu_fleet.urls["reference"],
-            "--blackbox-conversations",
-            "12",
-            "--blackbox-seed",
-            "14",
-            "--blackbox-out",
-            str(tmp_path / "runs"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=900,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "1 passed" in proc.stdout
-    (run,) = (tmp_path / "runs").iterdir()
-    assert json.loads((run / "verdict.json").read_text())["status"] == "PASS"
-
-
 def test_single_endpoint_mode_on_the_real_pair(cpu_fleet: Fleet, tmp_path: Path) -> None:
     # A staging smoke test has no control: the treatment's own fresh-salt answers are the control. On the tiny
     # model (which cannot recall) the treatment alone has no grader for decode-written blocks: UNKNOWN, saying why.
