@@ -108,39 +108,40 @@ def test_short_follow_ups_catch_a_restore_wrong_only_after_a_one_or_two_token_co
     assert {tuple(sorted(a.items())) for a in added.values()} == {(("short-1", 1), ("short-2", 2), ("short-q", 8))}
 
 
-def _small_cache_run(
-    tmp_path: Path, profile: str, probe: str, fault: str | None, *extra: str
-) -> tuple[int, dict, str, int]:
-    """`probe` against a small-cache pair of its own (`profile` on the treatment and the reference); the fires."""
-    specs = build_specs(profile, ("treatment", "reference"), base_port=LOAD_PORT, cache_dir=CACHE, fault=fault)
-    with Fleet(specs, tmp_path / "servers") as fleet:
-        fleet.start()
-        code, output, _, verdict = blackbox_cli(
-            tmp_path / "runs",
-            "--treatment",
-            fleet.urls["treatment"],
-            "--reference",
-            fleet.urls["reference"],
-            "--probe",
-            probe,
-            "--seed",
-            "31",
-            *extra,
-        )
-        log = fleet.log_path("treatment").read_text(errors="replace")
-    return code, verdict, output, fired_counts(log).get(fault, 0) if fault else 0
+# recycled-block fires only where a follow-up's hit lands on a re-allocated block while the checkpoint a block before
+# is still cached, so how often it fires depends on how the server's steps interleave with the client's follow-ups:
+# 8-22 times in 32 prefixes on an idle machine (bench/results/new-probes.md), 2 in a CI-like run on a machine twice
+# as slow (2026-12-07), too few for any grader. A run where it fired fewer than FIRED_ENOUGH times says nothing
+# about the probe, so the next seed runs on the same servers, at most LOAD_SEEDS; never firing enough fails.
+FIRED_ENOUGH = 6
+LOAD_SEEDS = (31, 32, 33)
 
 
 def test_the_load_probe_catches_restores_wrong_only_on_blocks_recycled_under_pressure(tmp_path: Path) -> None:
     """recycled-block is wrong only on a hit whose block had a cached block evicted from it, which happens only when
     the cache is too small for the load: the load probe against the small-cache pair (cpu-tiny-load on both arms)
     sees it; on the session's cache, which holds every probe's load, nothing is ever evicted."""
-    code, verdict, output, fired = _small_cache_run(tmp_path, "cpu-tiny-load", "load", "recycled-block")
-    assert fired > 0, f"recycled-block never fired\n{output}"
+    specs = build_specs("cpu-tiny-load", ("treatment", "reference"), base_port=LOAD_PORT, cache_dir=CACHE,
+                        fault="recycled-block")  # fmt: skip
+    fired_by_seed: dict[int, int] = {}
+    with Fleet(specs, tmp_path / "servers") as fleet:
+        fleet.start()
+        before = 0
+        for seed in LOAD_SEEDS:
+            code, output, _, verdict = blackbox_cli(
+                tmp_path / f"runs-{seed}",
+                "--treatment", fleet.urls["treatment"], "--reference", fleet.urls["reference"],
+                "--probe", "load", "--seed", str(seed),
+            )  # fmt: skip
+            total = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get("recycled-block", 0)
+            fired_by_seed[seed], before = total - before, total
+            if fired_by_seed[seed] >= FIRED_ENOUGH:
+                break
+    assert fired_by_seed[seed] >= FIRED_ENOUGH, f"recycled-block fired {fired_by_seed} times by seed\n{output}"
     trigger = _finding(verdict, "load-trigger")
     assert trigger["status"] == "PASS" and trigger["figures"]["evictions"] > 0, output
     assert "async scheduling off (vLLM's CPU backend forces it off" in trigger["reason"], output
-    assert (code, verdict["error_class"]) == (1, "CorruptionDetected"), output
+    assert (code, verdict["error_class"]) == (1, "CorruptionDetected"), (fired_by_seed, output)
     assert _finding(verdict, "load")["status"] == "FAIL", output
 
 
@@ -149,9 +150,14 @@ def test_the_preemption_probe_preempts_both_arms_and_passes_on_a_correct_engine(
     preempted while their turn 1s are written, no recomputation is, the follow-ups on the recomputations' salts hit,
     and a correct engine, not bit-exact under preemption, passes against a reference preempted alike. (Against
     preempted-resume the probe mostly misses on this model: bench/results/new-probes.md.)"""
-    code, verdict, output, _ = _small_cache_run(
-        tmp_path, "cpu-tiny-preempt", "preemption", None, "--conversations", "16"
-    )
+    specs = build_specs("cpu-tiny-preempt", ("treatment", "reference"), base_port=LOAD_PORT, cache_dir=CACHE)
+    with Fleet(specs, tmp_path / "servers") as fleet:
+        fleet.start()
+        code, output, _, verdict = blackbox_cli(
+            tmp_path / "runs",
+            "--treatment", fleet.urls["treatment"], "--reference", fleet.urls["reference"],
+            "--probe", "preemption", "--seed", "31", "--conversations", "16",
+        )  # fmt: skip
     trigger = _finding(verdict, "preempt-trigger")
     figures = trigger["figures"]
     assert trigger["status"] == "PASS", output
