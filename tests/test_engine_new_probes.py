@@ -108,6 +108,16 @@ def test_short_follow_ups_catch_a_restore_wrong_only_after_a_one_or_two_token_co
     assert {tuple(sorted(a.items())) for a in added.values()} == {(("short-1", 1), ("short-2", 2), ("short-q", 8))}
 
 
+def _on_pair(fleet: Fleet, out: Path, probe: str, seed: int, *extra: str) -> tuple[int, dict, str]:
+    """`probe` against a small-cache pair of its own (its treatment and reference, no control)."""
+    code, output, _, verdict = blackbox_cli(
+        out,
+        "--treatment", fleet.urls["treatment"], "--reference", fleet.urls["reference"],
+        "--probe", probe, "--seed", str(seed), *extra,
+    )  # fmt: skip
+    return code, verdict, output
+
+
 # recycled-block fires only where a follow-up's hit lands on a re-allocated block while the checkpoint a block before
 # is still cached, so how often it fires depends on how the server's steps interleave with the client's follow-ups:
 # 8-22 times in 32 prefixes on an idle machine (bench/results/new-probes.md), 2 in a CI-like run on a machine twice
@@ -128,11 +138,7 @@ def test_the_load_probe_catches_restores_wrong_only_on_blocks_recycled_under_pre
         fleet.start()
         before = 0
         for seed in LOAD_SEEDS:
-            code, output, _, verdict = blackbox_cli(
-                tmp_path / f"runs-{seed}",
-                "--treatment", fleet.urls["treatment"], "--reference", fleet.urls["reference"],
-                "--probe", "load", "--seed", str(seed),
-            )  # fmt: skip
+            code, verdict, output = _on_pair(fleet, tmp_path / f"runs-{seed}", "load", seed)
             total = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get("recycled-block", 0)
             fired_by_seed[seed], before = total - before, total
             if fired_by_seed[seed] >= FIRED_ENOUGH:
@@ -153,11 +159,7 @@ def test_the_preemption_probe_preempts_both_arms_and_passes_on_a_correct_engine(
     specs = build_specs("cpu-tiny-preempt", ("treatment", "reference"), base_port=LOAD_PORT, cache_dir=CACHE)
     with Fleet(specs, tmp_path / "servers") as fleet:
         fleet.start()
-        code, output, _, verdict = blackbox_cli(
-            tmp_path / "runs",
-            "--treatment", fleet.urls["treatment"], "--reference", fleet.urls["reference"],
-            "--probe", "preemption", "--seed", "31", "--conversations", "16",
-        )  # fmt: skip
+        code, verdict, output = _on_pair(fleet, tmp_path / "runs", "preemption", 31, "--conversations", "16")
     trigger = _finding(verdict, "preempt-trigger")
     figures = trigger["figures"]
     assert trigger["status"] == "PASS", output

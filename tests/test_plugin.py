@@ -140,8 +140,9 @@ def test_a_trigger_not_exercised_report_names_the_flag_the_server_release_lacks(
 
 
 def test_the_plugin_runs_each_probe_against_the_cpu_pair(cpu_fleet: Fleet, tmp_path: Path) -> None:
-    """multiturn passes; the cold race against a treatment with the default step budget cannot fragment a
-    prefill, so it fails as UNKNOWN (TriggerNotExercised), with its run folder, replay and the server's release."""
+    """The plugin's end-to-end run on the real engine: multiturn passes; the cold race against a treatment with the
+    default step budget cannot fragment a prefill, so it fails as UNKNOWN (TriggerNotExercised), with its run
+    folder, replay and the server's release."""
     junit = tmp_path / "junit.xml"
     # A reference, and enough conversations for the logprob grader to have power: without them the verdict rule
     # makes multiturn UNKNOWN (no grader of decode-written blocks), never PASS.
