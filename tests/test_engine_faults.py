@@ -142,16 +142,6 @@ def _stops_once_corruption_is_established(treatment: str, shared: Fleet, out: Pa
     return verdict, output
 
 
-def test_cold_race_passes_on_a_clean_fragmented_treatment(cpu_fleet: Fleet, tmp_path: Path) -> None:
-    with _treatment("cpu-tiny-fragmented", None, tmp_path / "servers") as fleet:
-        fleet.start()
-        code, verdict, output = _blackbox(fleet.urls["treatment"], cpu_fleet, "cold-race", tmp_path / "runs", 21)
-    checks = {f["check"]: f for f in verdict["findings"]}
-    assert checks["race-trigger"]["status"] == "PASS", output  # prefills really were fragmented
-    assert code == 0 and verdict["status"] == "PASS", output
-    assert "would have been detected with probability 0.95" in checks["race-divergence"]["reason"]
-
-
 @pytest.fixture(scope="module")
 def fragmented_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """A correct treatment and its reference, both with a step budget smaller than a block (chunked prefill)."""
@@ -159,6 +149,17 @@ def fragmented_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]
     with _treatment("cpu-tiny-fragmented", None, log_dir, ("treatment", "reference"), PAIR_PORT) as fleet:
         fleet.start()
         yield fleet
+
+
+def test_cold_race_passes_on_a_clean_fragmented_treatment(
+    fragmented_pair: Fleet, cpu_fleet: Fleet, tmp_path: Path
+) -> None:
+    treatment = fragmented_pair.urls["treatment"]
+    code, verdict, output = _blackbox(treatment, cpu_fleet, "cold-race", tmp_path / "runs", 21)
+    checks = {f["check"]: f for f in verdict["findings"]}
+    assert checks["race-trigger"]["status"] == "PASS", output  # prefills really were fragmented
+    assert code == 0 and verdict["status"] == "PASS", output
+    assert "would have been detected with probability 0.95" in checks["race-divergence"]["reason"]
 
 
 @pytest.mark.parametrize("budget_on", ["treatment", "reference"])
