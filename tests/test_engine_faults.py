@@ -32,6 +32,7 @@ SEEDS = (21, 22)
 # truthfully ("... in >= 67% of hits would have been detected"). These tests check that the fault is caught, not
 # the rate: the default 32, whose reference now runs 64 (--reference-ratio 2), needs fewer hits beyond it (6, not 9).
 MULTITURN_CONVERSATIONS = 32
+ROUND = 8  # conversations a look, in rounds (--detect)
 TREATMENT_PORT = BASE_PORT + 5  # the session's servers use BASE_PORT..BASE_PORT+2
 PAIR_PORT = BASE_PORT + 15  # the module's fragmented pair (+15, +17), up beside the fault tests' treatment
 
@@ -45,12 +46,12 @@ def _blackbox(
     reference: str | None = None,
     control: bool = True,
     alone: bool = False,  # the treatment alone: no control, no reference (the staging smoke test)
-    rounds: bool = False,  # multiturn in rounds of 8 (--detect) up to the same 32: stops at the look that decides
+    rounds: bool = False,  # multiturn in rounds of ROUND (--detect) up to the same 32: stops at the look that decides
     conversations: int = MULTITURN_CONVERSATIONS,
 ) -> tuple[int, dict, str]:
     length = ("--conversations", str(conversations))
     if rounds:
-        length = ("--detect", "0.2", "--round", "8", "--max-conversations", str(MULTITURN_CONVERSATIONS))
+        length = ("--detect", "0.2", "--round", str(ROUND), "--max-conversations", str(MULTITURN_CONVERSATIONS))
     code, output, _, verdict = blackbox_cli(
         out,
         "--treatment",
@@ -73,35 +74,32 @@ def _treatment(
     return Fleet(specs, log_dir)
 
 
-@pytest.mark.parametrize("fault", sorted(CASES))
+def _caught(fleet: Fleet, fault: str, verdict: dict, output: str) -> None:
+    """The fault fired in the treatment and the run is FAIL CorruptionDetected by the grader meant for it."""
+    _, probe, catcher = CASES[fault]
+    fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get(fault, 0)
+    assert fired > 0, f"{fault} never fired, so this run says nothing about blackbox\n{output}"
+    failing = {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}
+    assert verdict["status"] == "FAIL" and verdict["error_class"] == "CorruptionDetected", output
+    # In rounds the run stops at the first look any grader decides; recall sees a lost block too.
+    assert catcher in failing or (probe == "multiturn" and failing <= {"logprob", "recall"}), (failing, output)
+
+
+@pytest.mark.parametrize("fault", ["chunk-end-as-boundary", "stale-checkpoint"])
 def test_fault_fires_and_is_caught_by_its_grader(fault: str, cpu_fleet: Fleet, tmp_path: Path) -> None:
     profile, probe, catcher = CASES[fault]
+    multiturn = probe == "multiturn"
     with _treatment(profile, fault, tmp_path / "servers") as fleet:
         fleet.start()
         treatment = fleet.urls["treatment"]
-        if fault == "eagle-overrun":
-            # The single-endpoint mode in rounds (--detect): it must stop once the fault is plain. The full trio in
-            # rounds is stale-checkpoint's run below; one multiturn run per fault keeps CI's engine time down.
-            verdict, output = _stops_once_corruption_is_established(treatment, cpu_fleet, tmp_path / "runs-detect")
-        else:
-            # The full trio; multiturn in rounds up to the default 32, which stop at the first look that shows the
-            # fault (5-26 conversations: bench/results/faults.md, "needed").
-            code, verdict, output = _blackbox(
-                treatment, cpu_fleet, probe, tmp_path / "runs", SEEDS[1], rounds=probe == "multiturn"
-            )
-            assert code == 1, output
-        fired = fired_counts(fleet.log_path("treatment").read_text(errors="replace")).get(fault, 0)
-        assert fired > 0, f"{fault} never fired, so this run says nothing about blackbox\n{output}"
-        failing = {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}
-        assert verdict["status"] == "FAIL" and verdict["error_class"] == "CorruptionDetected", output
-        # In rounds the run stops at the first look any grader decides; recall sees a lost block too.
-        assert catcher in failing or (probe == "multiturn" and failing <= {"logprob", "recall"}), (failing, output)
-        if fault == "eagle-overrun":
-            return
+        # The full trio; multiturn in rounds up to the default 32, which stop at the first look that shows the fault
+        # (5-26 conversations: bench/results/faults.md, "needed").
+        code, verdict, output = _blackbox(treatment, cpu_fleet, probe, tmp_path / "runs", SEEDS[1], rounds=multiturn)
+        assert code == 1, output
+        _caught(fleet, fault, verdict, output)
         # The treatment alone at the other seed, so both seeds run. Multiturn without a control (a staging smoke
         # test with a reference): logprob needs only the reference as its yardstick. The cold race needs no other
         # server: its yardstick is the treatment's own cold racers, so the treatment alone sees it by the same grader.
-        multiturn = probe == "multiturn"
         code, verdict, output = _blackbox(
             treatment, cpu_fleet, probe, tmp_path / "runs-alone", SEEDS[0], control=False, alone=not multiturn,
             rounds=multiturn,
@@ -109,37 +107,33 @@ def test_fault_fires_and_is_caught_by_its_grader(fault: str, cpu_fleet: Fleet, t
         assert code == 1 and catcher in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
 
 
-def _stops_once_corruption_is_established(treatment: str, shared: Fleet, out: Path) -> tuple[dict, str]:
+def test_eagle_overrun_is_caught_and_a_detect_run_stops_once_it_is_established(
+    cpu_fleet: Fleet, tmp_path: Path
+) -> None:
     """Issue 24: a run with --detect sends a round at a time and stops at the first look that shows the fault,
-    without another round; no control (a staging smoke test with a reference), so logprob is what sees it."""
-    code, output, run, verdict = blackbox_cli(
-        out,
-        "--treatment",
-        treatment,
-        "--reference",
-        shared.urls["reference"],
-        "--detect",
-        "0.2",
-        "--round",
-        "8",
-        "--max-conversations",
-        str(MULTITURN_CONVERSATIONS),
-        "--seed",
-        str(SEEDS[1]),  # 16 conversations decided it with the full trio (5-26 across seeds: faults.md, "needed")
-    )
-    seq = next(f for f in verdict["findings"] if f["check"] == "sequential")["figures"]
-    assert (code, verdict["error_class"]) == (1, "CorruptionDetected"), output
+    without another round; no control (a staging smoke test with a reference), so logprob is what sees it. One
+    multiturn run for this fault: the full trio in rounds is stale-checkpoint's run above."""
+    out = tmp_path / "runs"
+    with _treatment("cpu-tiny", "eagle-overrun", tmp_path / "servers") as fleet:
+        fleet.start()
+        # Seed 22: 16 conversations decided it with the full trio (5-26 across seeds: faults.md, "needed").
+        code, verdict, output = _blackbox(
+            fleet.urls["treatment"], cpu_fleet, "multiturn", out, SEEDS[1], control=False, rounds=True
+        )
+        assert code == 1, output
+        _caught(fleet, "eagle-overrun", verdict, output)
     assert "logprob" in {f["check"] for f in verdict["findings"] if f["status"] == "FAIL"}, output
-    looked, sent = seq["stopped_at_look"], seq["conversations"]
-    assert seq["planned_looks"] == 4 and looked < 4 and sent == 8 * looked, output  # stopped before its budget
-    assert f"look {looked} of 4 planned, after {sent} conversations" in verdict["reason"], output
+    seq = next(f for f in verdict["findings"] if f["check"] == "sequential")["figures"]
+    looked, sent, planned = seq["stopped_at_look"], seq["conversations"], MULTITURN_CONVERSATIONS // ROUND
+    assert seq["planned_looks"] == planned and looked < planned and sent == ROUND * looked, output  # before its budget
+    assert f"look {looked} of {planned} planned, after {sent} conversations" in verdict["reason"], output
+    (run,) = [p for p in out.iterdir() if (p / "verdict.json").exists()]
     plans = json.loads((run / "plans.json").read_text())
     extras = json.loads((run / "yardstick-plans.json").read_text())
     # Not a round more than the look that decided; the reference's extras numbered past the budget.
     budget = MULTITURN_CONVERSATIONS
     assert [p["index"] for p in plans] == list(range(sent)), output
     assert [p["index"] for p in extras] == list(range(budget, budget + sent)), output
-    return verdict, output
 
 
 @pytest.fixture(scope="module")
