@@ -364,7 +364,8 @@ v4() { # SPECS
 # LOAD_PROBE=preemption runs the preemption probe on these triples instead (tenth sitting, issue 23: turn 1s
 # preempted under async scheduling, each graded against its recomputation alone; it needs the reference preempted
 # too, so give it half the blocks, :RBLOCKS); spec names keep the `load-` prefix, which the log and digest globs
-# below read.
+# below read. Its first GPU try (2026-12-07, eager, 32 prefixes, 64:32 blocks) did not finish in 11 minutes: each
+# reference recomputation took 15-19 s two at a time; LOAD_PW=1 serves every load role with PIECEWISE CUDA graphs.
 LOAD_PROBE=${LOAD_PROBE:-load}
 LOAD_SPECS=${LOAD_SPECS:-"load-clean:-:8510:170:0 load-recycled:recycled-block:8520:170:0"}
 LOAD_METRICS=(--kv-cache-metrics --kv-cache-metrics-sample 1.0)
@@ -378,6 +379,7 @@ start_load() { # SPECS
         load_spec "$spec"
         local kv=("${KV[@]}" --num-gpu-blocks-override "$blocks" "${LOAD_METRICS[@]}")
         [ -n "$maxlen" ] && kv+=(--max-model-len "$maxlen")
+        ((${LOAD_PW:-0})) && kv+=("${PW[@]}")
         if [ "$fault" = - ]; then
             $D serve "f-$name" treatment "$port" -- "${kv[@]}"
         else
