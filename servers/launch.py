@@ -280,6 +280,15 @@ class Fleet:
                         message = f"the {role} server exited with code {code} during start-up"
                         raise self._start_error(server, message, returncode=code)
                     if _ready(client, server.spec):
+                        if _listens(server.proc.pid, server.spec.port) is False:
+                            raise self._start_error(
+                                server,
+                                f"port {server.spec.port} answers as a {server.spec.served_model_name!r} server, but "
+                                f"not from the {role} server started here: another server took the port between "
+                                "the check and this start",
+                                hint=f"stop what listens there (ss -ltnp 'sport = :{server.spec.port}') or pass "
+                                "another --base-port",
+                            )
                         server.ready_s = time.monotonic() - server.started
                         self.startup_s[role] = server.ready_s
                         del pending[role]
@@ -356,6 +365,29 @@ def _ready(client: httpx.Client, spec: ServerSpec) -> bool:
         return models.status_code == 200 and spec.served_model_name in _model_ids(models.json())
     except (httpx.HTTPError, ValueError):
         return False
+
+
+def _listens(pid: int, port: int) -> bool | None:
+    """Whether process `pid` or one of its children listens on `port` (None: cannot tell). Two launches that check
+    the same free ports at once both pass the check; the one whose server loses the bind would otherwise take the
+    other's same-named server, answering on its port, for its own."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    denied = False
+    for proc in procs:
+        try:
+            connections = proc.net_connections(kind="tcp")
+        except psutil.AccessDenied:
+            denied = True
+            continue
+        except psutil.Error:
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in connections):
+            return True
+    return None if denied else False
 
 
 def _model_ids(body: Any) -> set[str]:

@@ -491,6 +491,25 @@ def test_port_taken_names_port_role_and_fix(tmp_path: Path) -> None:
     assert fleet.pids == {}  # nothing was started
 
 
+def test_a_same_named_server_of_another_launch_on_the_port_is_not_taken_for_ours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two launches that check the same free ports at once both pass the check; the one whose server then loses the
+    bind must not take the other's server, answering with the same model name on that port, for its own."""
+    other, _ = fake_server(tmp_path, "treatment")
+    with Fleet([other], tmp_path / "other-logs") as theirs:
+        theirs.start(timeout_s=30)
+        monkeypatch.setattr(launch, "port_free", lambda *_: True)  # both checked before either bound
+        loser = fake_spec("treatment", other.port, ["/bin/sh", "-c", "echo loading; exec sleep 60"])
+        with Fleet([loser], tmp_path / "logs") as ours, pytest.raises(ServerStartError) as info:
+            ours.start(timeout_s=30)
+        assert theirs.exited() == {}  # theirs untouched
+    text = str(info.value)
+    assert f"port {other.port}" in text and "not from the treatment server started here" in text, text
+    assert "--base-port" in text
+    assert gone(ours.pids["treatment"])
+
+
 def test_server_dying_at_start_raises_with_its_log_tail(tmp_path: Path) -> None:
     script = "import sys\nfor i in range(60): print(f'line {i}')\nsys.exit(3)"
     healthy, _ = fake_server(tmp_path, "control")
