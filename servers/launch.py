@@ -280,7 +280,7 @@ class Fleet:
                         message = f"the {role} server exited with code {code} during start-up"
                         raise self._start_error(server, message, returncode=code)
                     if _ready(client, server.spec):
-                        if _listens(server.proc.pid, server.spec.port) is False:
+                        if _listens(self._snapshot_tree(server), server.spec.port) is False:
                             raise self._start_error(
                                 server,
                                 f"port {server.spec.port} answers as a {server.spec.served_model_name!r} server, but "
@@ -367,14 +367,11 @@ def _ready(client: httpx.Client, spec: ServerSpec) -> bool:
         return False
 
 
-def _listens(pid: int, port: int) -> bool | None:
-    """Whether process `pid` or one of its children listens on `port` (None: cannot tell). Two launches that check
-    the same free ports at once both pass the check; the one whose server loses the bind would otherwise take the
-    other's same-named server, answering on its port, for its own."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
+def _listens(procs: Sequence[psutil.Process], port: int) -> bool | None:
+    """Whether one of a server's processes listens on `port` (None: cannot tell). Two launches that check the same
+    free ports at once both pass the check; the one whose server loses the bind would otherwise take the other's
+    same-named server, answering on its port, for its own."""
+    if not procs:
         return None
     denied = False
     for proc in procs:
