@@ -238,7 +238,7 @@ class Fleet:
                     f"port {spec.port} on 127.0.0.1 is taken; the {spec.role} server cannot listen there",
                     role=spec.role,
                     port=spec.port,
-                    hint=f"stop what listens there (ss -ltnp 'sport = :{spec.port}') or pass another --base-port",
+                    hint=_port_hint(spec.port),
                 )
 
     def _spawn(self, spec: ServerSpec) -> None:
@@ -286,8 +286,7 @@ class Fleet:
                                 f"port {server.spec.port} answers as a {server.spec.served_model_name!r} server, but "
                                 f"not from the {role} server started here: another server took the port between "
                                 "the check and this start",
-                                hint=f"stop what listens there (ss -ltnp 'sport = :{server.spec.port}') or pass "
-                                "another --base-port",
+                                hint=_port_hint(server.spec.port),
                             )
                         server.ready_s = time.monotonic() - server.started
                         self.startup_s[role] = server.ready_s
@@ -365,6 +364,10 @@ def _ready(client: httpx.Client, spec: ServerSpec) -> bool:
         return models.status_code == 200 and spec.served_model_name in _model_ids(models.json())
     except (httpx.HTTPError, ValueError):
         return False
+
+
+def _port_hint(port: int) -> str:
+    return f"stop what listens there (ss -ltnp 'sport = :{port}') or pass another --base-port"
 
 
 def _listens(procs: Sequence[psutil.Process], port: int) -> bool | None:
